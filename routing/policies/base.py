@@ -1,0 +1,48 @@
+"""The one interface every routing policy implements."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from routing.types import Decision, ReplicaView, RoutingRequest
+
+
+class PrefixLookup(Protocol):
+    """Read access to the per-replica prefix indexes."""
+
+    def matched_blocks(self, replica: str, hashes: Sequence[int]) -> int: ...
+
+
+class Policy(ABC):
+    """Chooses one replica for a request from a snapshot of healthy replicas.
+
+    Policies are pure: the same request, snapshot and index give the same decision. State a
+    policy keeps between calls (a round-robin cursor) lives on the instance.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def choose(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
+    ) -> Decision:
+        """Pick a replica; `replicas` is non-empty and holds only healthy members."""
+
+
+def load_bound(replicas: Sequence[ReplicaView], factor: float) -> int:
+    """Consistent hashing with bounded loads (Mirrokni et al. 2018).
+
+    A replica may take the request while its in-flight count stays within
+    ceil(factor * (total + 1) / n); with factor >= 1 the least-loaded replica always fits.
+    """
+    total = sum(r.inflight for r in replicas)
+    return max(1, math.ceil(factor * (total + 1) / len(replicas)))
+
+
+def within_bound(replicas: Sequence[ReplicaView], factor: float) -> list[ReplicaView]:
+    bound = load_bound(replicas, factor)
+    fits = [r for r in replicas if r.inflight + 1 <= bound]
+    return fits or [min(replicas, key=lambda r: r.inflight)]

@@ -1,0 +1,37 @@
+"""Consistent hashing with bounded loads: the prefix key's rendezvous owner unless it is full."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from routing import rendezvous
+from routing.policies.base import Policy, PrefixLookup, load_bound
+from routing.types import REASON_HASH, REASON_OVERFLOW, Decision, ReplicaView, RoutingRequest
+
+
+class ConsistentHash(Policy):
+    name = "consistent_hash"
+
+    def __init__(self, load_factor: float = 1.25) -> None:
+        self.load_factor = load_factor
+
+    def choose(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
+    ) -> Decision:
+        by_name = {r.name: r for r in replicas}
+        ranked = rendezvous.rank(request.key, by_name)
+        bound = load_bound(replicas, self.load_factor)
+        # Walk the key's preference list to the first replica with room (the bounded-load rule).
+        chosen = next((n for n in ranked if by_name[n].inflight + 1 <= bound), None)
+        if chosen is None:
+            chosen = min(ranked, key=lambda n: by_name[n].inflight)
+        reason = REASON_HASH if chosen == ranked[0] else REASON_OVERFLOW
+        matched = lookup.matched_blocks(chosen, request.hashes)
+        return Decision(
+            replica=chosen,
+            reason=reason,
+            matched_blocks=matched,
+            total_blocks=len(request.hashes),
+            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
+            fallbacks=[n for n in ranked if n != chosen],
+        )

@@ -1,0 +1,37 @@
+"""Least load: the replica with the fewest requests in flight, then the least queued prefill."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from routing import rendezvous
+from routing.policies.base import Policy, PrefixLookup
+from routing.types import REASON_LEAST_LOAD, Decision, ReplicaView, RoutingRequest
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def choose(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
+    ) -> Decision:
+        # Ties go by rendezvous weight, not list order, so an idle fleet is not always
+        # filled from its first replica.
+        ordered = sorted(
+            replicas,
+            key=lambda r: (
+                r.inflight + r.engine_waiting,
+                r.pending_prefill_tokens,
+                -rendezvous.weight(request.key, r.name),
+            ),
+        )
+        chosen = ordered[0]
+        matched = lookup.matched_blocks(chosen.name, request.hashes)
+        return Decision(
+            replica=chosen.name,
+            reason=REASON_LEAST_LOAD,
+            matched_blocks=matched,
+            total_blocks=len(request.hashes),
+            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
+            fallbacks=[r.name for r in ordered[1:]],
+        )

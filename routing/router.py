@@ -1,0 +1,101 @@
+"""A pool's router: prefix indexes per replica, a policy, and how a prompt becomes a request."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from routing.hashing import char_block_hashes, key_hash
+from routing.policies import Policy
+from routing.prefix_index import PrefixIndex
+from routing.types import Decision, ReplicaView, RoutingRequest
+
+
+class Router:
+    """Routes requests of one pool: owns the replicas' prefix indexes and the policy.
+
+    The index is updated synchronously at decision time, before the request is even sent, so a
+    burst of requests with the same new prefix follows the first one instead of scattering
+    (an asynchronous insert leaves a window in which every request of the burst looks cold).
+    """
+
+    def __init__(
+        self,
+        replicas: Iterable[str],
+        policy: Policy,
+        *,
+        block_chars: int = 256,
+        chars_per_token: float = 4.0,
+        index_capacity_blocks: int = 16384,
+        key_blocks: int = 1,
+    ) -> None:
+        self.policy = policy
+        self.block_chars = block_chars
+        self.chars_per_token = chars_per_token
+        self.key_blocks = max(1, key_blocks)
+        self.default_capacity = index_capacity_blocks
+        self.indexes: dict[str, PrefixIndex] = {}
+        for name in replicas:
+            self.add_replica(name)
+
+    # Membership -----------------------------------------------------------------------------
+
+    def add_replica(self, name: str, capacity_blocks: int | None = None) -> None:
+        if name not in self.indexes:
+            self.indexes[name] = PrefixIndex(capacity_blocks or self.default_capacity)
+
+    def remove_replica(self, name: str) -> None:
+        self.indexes.pop(name, None)
+
+    def resize_index(self, name: str, capacity_blocks: int) -> None:
+        if name in self.indexes:
+            self.indexes[name].resize(capacity_blocks)
+
+    # Requests -------------------------------------------------------------------------------
+
+    def request_from_text(self, text: str, traffic_class: str = "") -> RoutingRequest:
+        """Hash a canonical prompt once; every later step reuses the hashes."""
+        hashes = char_block_hashes(text, self.block_chars)
+        return self.request_from_hashes(hashes, len(text) / self.chars_per_token,
+                                        self.block_chars / self.chars_per_token,
+                                        text=text, traffic_class=traffic_class)
+
+    def request_from_hashes(
+        self,
+        hashes: list[int],
+        prompt_tokens: float,
+        block_tokens: float,
+        *,
+        text: str = "",
+        traffic_class: str = "",
+    ) -> RoutingRequest:
+        if hashes:
+            key = hashes[min(self.key_blocks, len(hashes)) - 1]
+        else:
+            # Shorter than one block: nothing to reuse, but a stable key still spreads them.
+            key = key_hash(text)
+        return RoutingRequest(
+            hashes=hashes,
+            prompt_tokens=prompt_tokens,
+            block_tokens=block_tokens,
+            key=key,
+            traffic_class=traffic_class,
+        )
+
+    # Decisions ------------------------------------------------------------------------------
+
+    def matched_blocks(self, replica: str, hashes: Sequence[int]) -> int:
+        index = self.indexes.get(replica)
+        return index.match(hashes) if index is not None else 0
+
+    def route(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        """Choose among `replicas` (healthy, non-empty) and record the prefix as sent there."""
+        if not replicas:
+            raise ValueError("no replica to route to")
+        decision = self.policy.choose(request, replicas, self)
+        self.record(decision.replica, request.hashes)
+        return decision
+
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        index = self.indexes.get(replica)
+        if index is not None and hashes:
+            index.insert(hashes)

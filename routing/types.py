@@ -1,0 +1,59 @@
+"""The values routing reads and returns: a request's prefix, a replica's state, a decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What a policy knows about one request: its chained block hashes and size."""
+
+    hashes: list[int]
+    prompt_tokens: float
+    """Estimated prompt length in tokens (characters / chars_per_token when untokenised)."""
+    block_tokens: float
+    """Estimated tokens per hashed block."""
+    key: int
+    """Stable key of the request's leading prefix, for rendezvous hashing."""
+    traffic_class: str = ""
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """A snapshot of one replica as routing sees it."""
+
+    name: str
+    inflight: int = 0
+    pending_prefill_tokens: float = 0.0
+    """Estimated uncached prompt tokens of requests sent there and not yet past first token."""
+    engine_waiting: int = 0
+    """Requests the engine itself reports as queued (from its metrics), when known."""
+    kv_usage: float | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """The replica chosen for a request, why, and what routing expected of it."""
+
+    replica: str
+    reason: str
+    matched_blocks: int
+    total_blocks: int
+    uncached_tokens: float
+    fallbacks: list[str] = field(default_factory=list)
+    """Other replicas in order of preference, for a retry before the first byte."""
+
+    @property
+    def matched_fraction(self) -> float:
+        return self.matched_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+# Routing reasons, as they appear in metrics and stats.
+REASON_AFFINITY = "affinity"  # went where its longest cached prefix is
+REASON_COLD = "cold"  # no replica holds any of its prefix: rendezvous home
+REASON_OVERFLOW = "overflow"  # its prefix's home was over the load bound
+REASON_HASH = "hash"  # consistent hashing chose the key's home
+REASON_ROUND_ROBIN = "round_robin"
+REASON_LEAST_LOAD = "least_load"
+REASON_RETRY = "retry"  # an earlier choice failed before any byte reached the client

@@ -1,0 +1,155 @@
+"""Unit tests of routing/: hashing, the prefix index, and the policies' promises."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from routing import LoadTracker, PrefixIndex, Router, build_policy, char_block_hashes
+from routing.policies import load_bound
+from routing.prompt import render_chat
+from routing.types import REASON_AFFINITY, REASON_COLD, REASON_OVERFLOW, ReplicaView
+
+REPLICAS = ["r0", "r1", "r2", "r3"]
+
+
+def system_prompt(i: int, chars: int = 2000) -> str:
+    words = [f"tenant{i}-word{j}" for j in range(chars // 10)]
+    return " ".join(words)[:chars]
+
+
+def chat_text(system: str, user: str) -> str:
+    return render_chat({"messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": user}]})
+
+
+def make_router(policy: str = "prefix_affinity", replicas=REPLICAS, **params) -> Router:
+    return Router(replicas, build_policy(policy, **params), block_chars=128)
+
+
+def idle(names=REPLICAS) -> list[ReplicaView]:
+    return [ReplicaView(name=n) for n in names]
+
+
+def test_chained_hashes_share_exactly_the_common_prefix() -> None:
+    a = char_block_hashes("x" * 300 + "AAAA" + "y" * 300, 100)
+    b = char_block_hashes("x" * 300 + "BBBB" + "y" * 300, 100)
+    assert len(a) == len(b) == 6
+    assert a[:3] == b[:3]
+    # Every block after the first difference differs, even where the bytes are equal again.
+    assert all(x != y for x, y in zip(a[3:], b[3:], strict=True))
+
+
+def test_partial_trailing_block_is_not_hashed() -> None:
+    assert len(char_block_hashes("z" * 250, 100)) == 2
+    assert len(char_block_hashes("z" * 250, 100, include_partial=True)) == 3
+
+
+def test_tools_change_the_rendered_prefix() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = render_chat({"messages": msgs})
+    with_tools = render_chat({"messages": msgs, "tools": [{"type": "function", "function": {
+        "name": "f"}}]})
+    assert plain != with_tools
+    assert not with_tools.startswith(plain)
+
+
+def test_prefix_index_lru_evicts_chain_tails_first() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    first = [1, 2, 3]
+    index.insert(first)
+    index.insert([10, 11, 12])
+    # Capacity 4: the newer chain fits whole, the older one keeps only its head.
+    assert index.match([10, 11, 12]) == 3
+    assert index.match(first) == 1
+    assert len(index) == 4
+
+
+def test_identical_prefixes_go_to_the_same_replica() -> None:
+    router = make_router()
+    sys_prompt = system_prompt(1)
+    chosen = set()
+    for u in range(10):
+        req = router.request_from_text(chat_text(sys_prompt, f"question {u}"))
+        decision = router.route(req, idle())
+        chosen.add(decision.replica)
+    assert len(chosen) == 1
+    # After the first request, the rest are affinity hits on the whole system prompt.
+    assert decision.reason == REASON_AFFINITY
+    assert decision.matched_blocks >= 2000 // 128
+
+
+def test_distinct_cold_prefixes_spread_over_replicas() -> None:
+    router = make_router()
+    homes = Counter()
+    for i in range(64):
+        req = router.request_from_text(chat_text(system_prompt(i), "hello"))
+        d = router.route(req, idle())
+        assert d.reason == REASON_COLD
+        homes[d.replica] += 1
+    # Rendezvous homes: every replica owns some prefixes (64 keys over 4 replicas).
+    assert set(homes) == set(REPLICAS)
+    assert max(homes.values()) <= 2 * 64 / len(REPLICAS)
+
+
+def test_hot_prefix_under_load_spreads_and_respects_the_bound() -> None:
+    router = make_router(load_factor=1.25)
+    load = LoadTracker()
+    sys_prompt = system_prompt(7)
+    served = Counter()
+    reasons = Counter()
+    # 40 concurrent requests that never finish: the hottest possible prefix.
+    for u in range(40):
+        views = [load.view(n) for n in REPLICAS]
+        bound = load_bound(views, 1.25)
+        req = router.request_from_text(chat_text(sys_prompt, f"user {u}"))
+        d = router.route(req, views)
+        assert load.inflight.get(d.replica, 0) + 1 <= bound
+        load.dispatched(d.replica, d.uncached_tokens)
+        served[d.replica] += 1
+        reasons[d.reason] += 1
+    assert len(served) > 1
+    assert max(served.values()) <= -(-1.25 * 40 // len(REPLICAS))
+    assert reasons[REASON_OVERFLOW] > 0
+
+
+def test_two_independent_routers_agree_on_cold_prefixes() -> None:
+    a, b = make_router(), make_router()
+    for i in range(32):
+        text = chat_text(system_prompt(100 + i), "q")
+        da = a.route(a.request_from_text(text), idle())
+        # The second router lists its replicas in another order: names decide, not positions.
+        db = b.route(b.request_from_text(text), idle(list(reversed(REPLICAS))))
+        assert da.replica == db.replica
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "consistent_hash"])
+def test_baseline_policies_choose_only_given_replicas(policy: str) -> None:
+    router = make_router(policy)
+    seen = Counter()
+    for i in range(40):
+        d = router.route(router.request_from_text(chat_text(system_prompt(i % 5), str(i))),
+                         idle(REPLICAS[:3]))
+        seen[d.replica] += 1
+    assert set(seen) <= set(REPLICAS[:3])
+    if policy == "round_robin":
+        assert sorted(seen.values()) == [13, 13, 14]
+
+
+def test_queued_prefill_pushes_new_work_elsewhere() -> None:
+    router = make_router(load_factor=100.0)
+    text = chat_text(system_prompt(3), "a")
+    home = router.route(router.request_from_text(text), idle()).replica
+    # The home replica now has a large prefill backlog: a cold prompt goes elsewhere even though
+    # its rendezvous owner may be that same replica.
+    views = [ReplicaView(name=n, pending_prefill_tokens=50_000 if n == home else 0)
+             for n in REPLICAS]
+    for i in range(20):
+        d = router.route(router.request_from_text(chat_text(system_prompt(200 + i), "b")), views)
+        assert d.replica != home
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        build_policy("nope")
