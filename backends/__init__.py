@@ -1,0 +1,1 @@
+"""Everything that speaks to engines: adapters, health, pools and the simulated replica."""

@@ -1,0 +1,19 @@
+"""Engine adapters by kind: the only place that knows an engine's paths and metric names."""
+
+from __future__ import annotations
+
+from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.adapters.trtllm import TrtllmAdapter
+from backends.adapters.vllm import VllmAdapter
+
+
+def adapter_for(kind: str) -> EngineAdapter:
+    """The adapter for an engine kind; `sim` replicas speak vLLM's surface."""
+    if kind in ("vllm", "sim"):
+        return VllmAdapter()
+    if kind == "trtllm":
+        return TrtllmAdapter()
+    raise ValueError(f"unknown engine kind {kind!r}; expected vllm, trtllm or sim")
+
+
+__all__ = ["EngineAdapter", "EngineSnapshot", "TrtllmAdapter", "VllmAdapter", "adapter_for"]

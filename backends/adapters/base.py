@@ -1,0 +1,67 @@
+"""The one interface the gateway uses to ask any engine kind about its health and state."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """What an engine says about itself, normalised across engine kinds and versions."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    """KV cache usage, 0-1."""
+    prefix_hit_tokens: float | None = None
+    """Cumulative prefix-cache hits, in tokens."""
+    prefix_query_tokens: float | None = None
+    """Cumulative prefix-cache lookups, in tokens."""
+    block_size: int | None = None
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks the engine has (its cache capacity)."""
+    source: str = ""
+    """Which surface or metric-name generation the values came from."""
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        if self.block_size and self.num_blocks:
+            return self.block_size * self.num_blocks
+        return None
+
+
+class EngineAdapter(ABC):
+    """Engine-specific knowledge (paths, metric names) lives only behind this interface."""
+
+    kind: str
+    health_path: str = "/health"
+    default_block_size: int = 16
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str, timeout: float) -> bool:
+        """True when the engine answers its liveness check with 200."""
+        try:
+            async with http.get(base_url + self.health_path,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    @abstractmethod
+    async def scrape(
+        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        """Read the engine's load and cache state; None when it exposes nothing usable."""
+
+    async def _get_text(
+        self, http: aiohttp.ClientSession, url: str, timeout: float
+    ) -> tuple[int, str]:
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status, await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            return 0, ""

@@ -1,0 +1,142 @@
+"""TensorRT-LLM `trtllm-serve`: JSON iteration stats at /metrics, Prometheus only if enabled.
+
+Surface as read from TensorRT-LLM's source (serve/openai_server.py @0005772, metrics/collector.py
+@050f80d, and the older 1.1.0rc5 collector @89fd9b7); never run against a real TensorRT-LLM here
+(it needs an NVIDIA GPU). /metrics drains the iteration-stats queue: each call returns only the
+iterations since the previous call, so the newest entry is the current state.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.adapters.base import EngineAdapter, EngineSnapshot
+
+_PROM_PATH = "/prometheus/metrics"
+_JSON_PATH = "/metrics"
+
+
+def _num(d: dict, *keys: str) -> float | None:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, int | float):
+            return float(v)
+    return None
+
+
+def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
+    """Normalise trtllm-serve's /metrics JSON (a list of per-iteration stats)."""
+    if isinstance(payload, dict):
+        payload = [payload]
+    if not isinstance(payload, list):
+        return None
+    if not payload:
+        # No iteration since the last poll: the executor was idle.
+        return EngineSnapshot(running=0.0, waiting=0.0, source="trtllm:iteration-stats")
+    it = payload[-1]
+    if not isinstance(it, dict):
+        return None
+    kv = it.get("kvCacheStats") or {}
+    ifb = it.get("inflightBatchingStats") or {}
+    running = _num(it, "numActiveRequests")
+    waiting = _num(it, "numQueuedRequests")
+    if waiting is None:
+        waiting = _num(ifb, "numPausedRequests")
+    max_blocks = _num(kv, "maxNumBlocks")
+    used = _num(kv, "usedNumBlocks")
+    per_block = _num(kv, "tokensPerBlock")
+    reused = _num(kv, "reusedBlocks")
+    missed = _num(kv, "missedBlocks")
+    hits = queries = None
+    if reused is not None and missed is not None and per_block:
+        hits = reused * per_block
+        queries = (reused + missed) * per_block
+    return EngineSnapshot(
+        running=running,
+        waiting=waiting,
+        kv_usage=(used / max_blocks) if used is not None and max_blocks else None,
+        prefix_hit_tokens=hits,
+        prefix_query_tokens=queries,
+        block_size=int(per_block) if per_block else None,
+        num_blocks=int(max_blocks) if max_blocks else None,
+        source="trtllm:iteration-stats",
+    )
+
+
+def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
+    """Normalise /prometheus/metrics; sniffs `trtllm_`-prefixed versus older bare names."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name.endswith("_created"):
+                continue
+            if name.endswith("_total"):
+                name = name[: -len("_total")]
+            values[name] = values.get(name, 0.0) + sample.value
+    prefixed = any(k.startswith("trtllm_") for k in values)
+    p = "trtllm_" if prefixed else ""
+
+    def get(name: str) -> float | None:
+        return values.get(p + name)
+
+    per_block = get("kv_cache_tokens_per_block")
+    reused, missed = get("kv_cache_reused_blocks"), get("kv_cache_missed_blocks")
+    hits = queries = None
+    if reused is not None and missed is not None and per_block:
+        hits, queries = reused * per_block, (reused + missed) * per_block
+    elif get("prompt_cache_hit_tokens") is not None and get("prompt_tokens") is not None:
+        hits, queries = get("prompt_cache_hit_tokens"), get("prompt_tokens")
+    max_blocks = get("kv_cache_max_blocks")
+    return EngineSnapshot(
+        running=get("num_requests_running"),
+        waiting=get("num_requests_waiting"),
+        kv_usage=get("kv_cache_utilization"),
+        prefix_hit_tokens=hits,
+        prefix_query_tokens=queries,
+        block_size=int(per_block) if per_block else None,
+        num_blocks=int(max_blocks) if max_blocks else None,
+        source="trtllm:prometheus-" + ("trtllm_-names" if prefixed else "bare-names"),
+    )
+
+
+class TrtllmAdapter(EngineAdapter):
+    kind = "trtllm"
+    health_path = "/health"
+    default_block_size = 32
+
+    def __init__(self) -> None:
+        # Per replica: whether /prometheus/metrics is mounted (only with return_perf_metrics).
+        self._has_prometheus: dict[str, bool] = {}
+
+    async def scrape(
+        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        snap_prom: EngineSnapshot | None = None
+        if self._has_prometheus.get(base_url, True):
+            status, text = await self._get_text(http, base_url + _PROM_PATH, timeout)
+            if status == 200 and text:
+                try:
+                    snap_prom = parse_trtllm_prometheus(text)
+                except ValueError:
+                    snap_prom = None
+                self._has_prometheus[base_url] = snap_prom is not None
+            elif status in (404, 405):
+                self._has_prometheus[base_url] = False
+        status, text = await self._get_text(http, base_url + _JSON_PATH, timeout)
+        snap_json = None
+        if status == 200 and text:
+            try:
+                snap_json = parse_iteration_stats(orjson.loads(text))
+            except orjson.JSONDecodeError:
+                snap_json = None
+        if snap_prom is None:
+            return snap_json
+        if snap_json is not None:
+            # Prometheus has the counters; iteration stats have the freshest queue state.
+            for field in ("running", "waiting", "kv_usage", "block_size", "num_blocks"):
+                if getattr(snap_prom, field) is None:
+                    setattr(snap_prom, field, getattr(snap_json, field))
+        return snap_prom

@@ -1,0 +1,81 @@
+"""vLLM: /health (503 when the engine core is dead) and `vllm:` Prometheus metrics."""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.adapters.base import EngineAdapter, EngineSnapshot
+
+# Current names first; the deprecated ones are read when the current ones are absent (older
+# releases, or newer ones started with --show-hidden-metrics-for-version).
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+
+
+def parse_vllm_metrics(text: str) -> EngineSnapshot:
+    """Normalise a vLLM /metrics page; sums over engines (data-parallel ranks)."""
+    sums: dict[str, float] = {}
+    block_size: int | None = None
+    num_blocks: int | None = None
+    engine_count = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name.endswith("_created"):
+                continue
+            if name == "vllm:num_requests_running":
+                engine_count += 1
+            if name == "vllm:cache_config_info":
+                labels = sample.labels
+                if labels.get("block_size", "").isdigit():
+                    block_size = int(labels["block_size"])
+                blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
+                if blocks and blocks.isdigit():
+                    num_blocks = (num_blocks or 0) + int(blocks)
+                continue
+            # Counters appear as NAME_total; the parser keeps that suffix on samples.
+            if name.endswith("_total"):
+                name = name[: -len("_total")]
+            sums[name] = sums.get(name, 0.0) + sample.value
+
+    def first(names: tuple[str, ...]) -> tuple[float | None, str]:
+        for n in names:
+            if n in sums:
+                return sums[n], n
+        return None, ""
+
+    kv, kv_name = first(_KV_USAGE)
+    hits, hits_name = first(_HITS)
+    queries, _ = first(_QUERIES)
+    engines = max(1, engine_count)
+    return EngineSnapshot(
+        running=sums.get("vllm:num_requests_running"),
+        waiting=sums.get("vllm:num_requests_waiting"),
+        # A gauge per engine: the mean is the fleet-of-ranks usage.
+        kv_usage=(kv / engines) if kv is not None else None,
+        prefix_hit_tokens=hits,
+        prefix_query_tokens=queries,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        source="vllm:" + ("deprecated-names" if hits_name.startswith("vllm:gpu_") or
+                          kv_name.startswith("vllm:gpu_") else "current-names"),
+    )
+
+
+class VllmAdapter(EngineAdapter):
+    kind = "vllm"
+    health_path = "/health"
+    default_block_size = 16
+
+    async def scrape(
+        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        status, text = await self._get_text(http, base_url + "/metrics", timeout)
+        if status != 200 or not text:
+            return None
+        try:
+            return parse_vllm_metrics(text)
+        except ValueError:
+            return None

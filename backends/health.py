@@ -1,0 +1,101 @@
+"""Active health probing and engine-metric scraping of every replica, in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from backends.pool import Pool, ReplicaState
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("prefix_gateway.health")
+
+
+class HealthMonitor:
+    """Probes each replica's liveness path and scrapes its metrics on a schedule.
+
+    A replica leaves rotation after `failure_threshold` failed probes in a row (or at once when
+    a request to it fails to connect) and returns on its first successful probe.
+    """
+
+    def __init__(self, pools: list[Pool], http: aiohttp.ClientSession,
+                 metrics: GatewayMetrics) -> None:
+        self.pools = pools
+        self.http = http
+        self.metrics = metrics
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def check_all(self) -> None:
+        """One round of probes and scrapes for every replica, concurrently."""
+        jobs = []
+        for pool in self.pools:
+            for r in pool.replicas.values():
+                jobs.append(self._probe(pool, r))
+                jobs.append(self._scrape(pool, r))
+        await asyncio.gather(*jobs)
+
+    def start(self) -> None:
+        for pool in self.pools:
+            self._tasks.append(asyncio.create_task(self._probe_loop(pool)))
+            self._tasks.append(asyncio.create_task(self._scrape_loop(pool)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _probe_loop(self, pool: Pool) -> None:
+        while True:
+            await asyncio.sleep(pool.health.interval_s)
+            await asyncio.gather(*(self._probe(pool, r) for r in pool.replicas.values()))
+
+    async def _scrape_loop(self, pool: Pool) -> None:
+        while True:
+            await asyncio.sleep(pool.health.metrics_interval_s)
+            await asyncio.gather(*(self._scrape(pool, r) for r in pool.replicas.values()))
+
+    async def _probe(self, pool: Pool, r: ReplicaState) -> None:
+        ok = await pool.adapter.probe(self.http, r.base_url, pool.health.timeout_s)
+        if ok:
+            if not r.healthy:
+                log.info("replica %s/%s is up", pool.name, r.name)
+            r.healthy = True
+            r.failures = 0
+            r.last_error = ""
+        else:
+            r.failures += 1
+            r.last_error = f"health check {pool.adapter.health_path} failed"
+            if r.failures >= pool.health.failure_threshold:
+                if r.healthy:
+                    log.warning("replica %s/%s is down: %s", pool.name, r.name, r.last_error)
+                r.healthy = False
+        self.metrics.replica_up.labels(pool.name, r.name).set(1 if r.healthy else 0)
+
+    async def _scrape(self, pool: Pool, r: ReplicaState) -> None:
+        snap = await pool.adapter.scrape(self.http, r.base_url, pool.health.timeout_s)
+        if snap is None:
+            return
+        had_capacity = r.snapshot is not None and r.snapshot.capacity_tokens
+        r.observe_snapshot(snap, pool.health.hit_ratio_window_s, time.monotonic())
+        if not had_capacity and snap.capacity_tokens:
+            pool.apply_engine_capacity(r)
+        m = self.metrics
+        if r.engine_hit_ratio is not None:
+            m.engine_hit_ratio.labels(pool.name, r.name).set(r.engine_hit_ratio)
+        if snap.waiting is not None:
+            m.engine_waiting.labels(pool.name, r.name).set(snap.waiting)
+        if snap.kv_usage is not None:
+            m.engine_kv_usage.labels(pool.name, r.name).set(snap.kv_usage)
+
+    def mark_failed(self, pool: Pool, r: ReplicaState, error: str) -> None:
+        """A request could not reach the replica: take it out of rotation until a probe passes."""
+        if r.healthy:
+            log.warning("replica %s/%s is down: %s", pool.name, r.name, error)
+        r.healthy = False
+        r.failures = max(r.failures, pool.health.failure_threshold)
+        r.last_error = error
+        self.metrics.replica_up.labels(pool.name, r.name).set(0)

@@ -1,0 +1,103 @@
+"""Engine pools at run time: replicas with their health and engine state, a router, load."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from backends.adapters import EngineAdapter, EngineSnapshot, adapter_for
+from gateway.config import PoolConfig, RoutingSettings
+from routing import LoadTracker, Router, build_policy
+from routing.types import ReplicaView
+
+
+class ReplicaState:
+    """One replica: where it is, whether it is healthy, and what its engine last reported."""
+
+    def __init__(self, pool: str, name: str, base_url: str, models: set[str],
+                 api_key: str | None) -> None:
+        self.pool = pool
+        self.name = name
+        self.base_url = base_url
+        self.models = models
+        self.auth = f"Bearer {api_key}" if api_key else None
+        # Unknown until the first probe; the gateway probes every replica before serving.
+        self.healthy = False
+        self.failures = 0
+        self.last_error = ""
+        self.snapshot: EngineSnapshot | None = None
+        self._hit_samples: deque[tuple[float, float, float]] = deque()
+        self.engine_hit_ratio: float | None = None
+
+    def observe_snapshot(self, snap: EngineSnapshot, window_s: float,
+                         now: float | None = None) -> None:
+        """Keep the snapshot and update the engine hit ratio over the recent window."""
+        self.snapshot = snap
+        if snap.prefix_hit_tokens is None or snap.prefix_query_tokens is None:
+            return
+        now = time.monotonic() if now is None else now
+        samples = self._hit_samples
+        if samples and snap.prefix_query_tokens < samples[-1][2]:
+            # Counters went backwards: the engine restarted or its cache was reset.
+            samples.clear()
+        samples.append((now, snap.prefix_hit_tokens, snap.prefix_query_tokens))
+        # Keep one sample at or before the window start as the baseline of the difference.
+        while len(samples) > 2 and samples[1][0] <= now - window_s:
+            samples.popleft()
+        _, h0, q0 = samples[0]
+        _, h1, q1 = samples[-1]
+        if q1 - q0 > 0:
+            self.engine_hit_ratio = (h1 - h0) / (q1 - q0)
+        elif len(samples) == 1 and q1 > 0:
+            # First sight of a replica that already served traffic: its lifetime ratio.
+            self.engine_hit_ratio = h1 / q1
+
+
+class Pool:
+    """A named group of replicas serving the same models for one or more traffic classes."""
+
+    def __init__(self, cfg: PoolConfig, routing: RoutingSettings) -> None:
+        self.name = cfg.name
+        self.engine = cfg.engine
+        self.adapter: EngineAdapter = adapter_for(cfg.engine)
+        self.models = set(cfg.models)
+        self.health = cfg.health
+        self.settings = routing
+        self.policy_name = routing.policy
+        self.replicas: dict[str, ReplicaState] = {}
+        for r in cfg.replicas:
+            models = set(r.models) if r.models else set(self.models)
+            self.models |= models
+            self.replicas[r.name] = ReplicaState(cfg.name, r.name, r.base_url, models,
+                                                 r.api_key or cfg.api_key)
+        self.router = Router(
+            self.replicas,
+            build_policy(routing.policy, **routing.model_dump()),
+            block_chars=routing.block_chars,
+            chars_per_token=routing.chars_per_token,
+            index_capacity_blocks=routing.index_capacity_blocks,
+            key_blocks=routing.key_blocks,
+        )
+        self.load = LoadTracker()
+
+    def healthy_views(self, model: str, exclude: tuple[str, ...] = ()) -> list[ReplicaView]:
+        views = []
+        load = self.load
+        for r in self.replicas.values():
+            if r.healthy and model in r.models and r.name not in exclude:
+                v = load.view(r.name)
+                snap = r.snapshot
+                if snap is not None:
+                    v.engine_waiting = int(snap.waiting or 0)
+                    v.kv_usage = snap.kv_usage
+                views.append(v)
+        return views
+
+    def apply_engine_capacity(self, replica: ReplicaState) -> None:
+        """Size the replica's prefix index to what its engine reports it can cache."""
+        snap = replica.snapshot
+        cap = snap.capacity_tokens if snap else None
+        if cap:
+            s = self.settings
+            blocks = int(cap * s.chars_per_token / s.block_chars)
+            self.router.resize_index(replica.name, max(1, blocks))

@@ -1,0 +1,121 @@
+"""The ASGI application: a lean router for inference paths, FastAPI for everything else."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import __version__
+from gateway.config import GatewayConfig
+from gateway.proxy import InferenceEndpoint
+from gateway.state import GatewayState
+
+_STATIC = Path(__file__).parent / "static"
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error",
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": None,
+                                   "code": code}}, status_code=status)
+
+
+def build_admin(state: GatewayState) -> FastAPI:
+    """Health, readiness, models, metrics and stats: where FastAPI's conveniences pay."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="prefix-gateway", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = "Not found: see /docs for the gateway's routes." if exc.status_code == 404 \
+            else str(exc.detail)
+        return _error(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, str(exc.errors()[:3]))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the gateway process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: every pool has at least one healthy replica."""
+        ok, healthy = state.ready()
+        return JSONResponse({"ready": ok, "healthy_replicas": healthy},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The union of the models every pool serves."""
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "prefix-gateway",
+             "pools": [p.name for p in state.pools if m in p.models]}
+            for m in state.models]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> JSONResponse:
+        if model not in state.models:
+            return _error(404, f"The model `{model}` does not exist or is not served here.",
+                          code="model_not_found")
+        return JSONResponse({"id": model, "object": "model", "created": 0,
+                             "owned_by": "prefix-gateway"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/stats")
+    async def stats() -> dict[str, Any]:
+        """Per pool and replica: health, load, hit ratios, TTFT, decisions by reason."""
+        return state.stats.snapshot(state.pools, {})
+
+    @app.get("/admin", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse((_STATIC / "stats.html").read_text())
+
+    return app
+
+
+class GatewayApp:
+    """Dispatches inference POSTs straight to their handlers, the rest to FastAPI.
+
+    FastAPI's per-request machinery (routing, dependency injection, response models) costs
+    more than everything the gateway itself does per request, so the two hot paths bypass it.
+    """
+
+    def __init__(self, config: GatewayConfig, state: GatewayState | None = None) -> None:
+        self.state = state or GatewayState(config)
+        self.admin = build_admin(self.state)
+        self.fast = {
+            "/v1/chat/completions": InferenceEndpoint(self.state, "/v1/chat/completions", True),
+            "/v1/completions": InferenceEndpoint(self.state, "/v1/completions", False),
+        }
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            handler = self.fast.get(scope["path"].rstrip("/") or "/")
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.admin(scope, receive, send)
+
+
+def create_app(config: GatewayConfig) -> GatewayApp:
+    return GatewayApp(config)

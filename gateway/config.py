@@ -1,0 +1,223 @@
+"""The gateway's configuration schema (pydantic) and the YAML loader that explains mistakes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+EngineKind = Literal["vllm", "trtllm", "sim"]
+
+
+class _Strict(BaseModel):
+    # A misspelt key is an error, not silently ignored: "polcy: round_robin" must not route
+    # with the default policy while the operator believes otherwise.
+    model_config = ConfigDict(extra="forbid")
+
+
+class RoutingSettings(_Strict):
+    """How a pool chooses a replica."""
+
+    policy: Literal["prefix_affinity", "consistent_hash", "least_load", "round_robin"] = (
+        "prefix_affinity"
+    )
+    block_chars: int = Field(256, ge=16, le=65536, description="characters per hashed block")
+    chars_per_token: float = Field(4.0, gt=0, description="to estimate tokens from characters")
+    load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c")
+    load_weight: float = Field(1.0, ge=0.0, description="weight of queued prefill in the cost")
+    slack_fraction: float = Field(0.25, ge=0.0)
+    slack_tokens: float = Field(256.0, ge=0.0)
+    index_capacity_blocks: int = Field(
+        16384, ge=1, description="prefix index size per replica, until the engine reports its own"
+    )
+    key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
+
+
+class HealthSettings(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    failure_threshold: int = Field(2, ge=1)
+    metrics_interval_s: float = Field(5.0, gt=0)
+    hit_ratio_window_s: float = Field(60.0, gt=0)
+
+
+class ReplicaConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: AnyHttpUrl
+    models: list[str] | None = None
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    engine: EngineKind
+    models: list[str] = Field(min_length=1)
+    replicas: list[ReplicaConfig] = Field(min_length=1)
+    api_key: str | None = None
+    routing: RoutingSettings | None = None
+    health: HealthSettings = Field(default_factory=HealthSettings)
+
+    @model_validator(mode="after")
+    def _unique_replicas(self) -> PoolConfig:
+        names = [r.name for r in self.replicas]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"replica names must be unique within a pool: {dupes}")
+        return self
+
+
+class TrafficClassConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    pool: str
+
+
+class ClassificationConfig(_Strict):
+    """Where a request's traffic class comes from, first match wins, in this order."""
+
+    header: str | None = Field("x-traffic-class", description="request header naming the class")
+    api_keys: dict[str, str] = Field(default_factory=dict, description="bearer key -> class")
+    service_tier: dict[str, str] = Field(
+        default_factory=dict, description="OpenAI service_tier value -> class"
+    )
+    default_class: str
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, v: str | None) -> str | None:
+        return v.lower() if v else v
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    response_headers: bool = Field(True, description="send x-gateway-replica / x-gateway-pool")
+    explain_headers: bool = Field(True, description="send x-gateway-route-reason / -match")
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    max_attempts: int = Field(2, ge=1, le=10, description="tries before the first byte is sent")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    non_streaming_ttft: bool = Field(
+        True,
+        description="stream from the replica internally for non-streaming requests, to "
+        "measure their TTFT; the client still gets one JSON response",
+    )
+
+
+class GatewayConfig(_Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    pools: list[PoolConfig] = Field(min_length=1)
+    traffic_classes: list[TrafficClassConfig] = Field(min_length=1)
+    classification: ClassificationConfig
+
+    @model_validator(mode="after")
+    def _references(self) -> GatewayConfig:
+        pools = [p.name for p in self.pools]
+        if len(set(pools)) != len(pools):
+            raise ValueError(f"pool names must be unique: {pools}")
+        replicas = [r.name for p in self.pools for r in p.replicas]
+        dupes = sorted({n for n in replicas if replicas.count(n) > 1})
+        if dupes:
+            raise ValueError(f"replica names must be unique across pools (metrics label): {dupes}")
+        classes = [c.name for c in self.traffic_classes]
+        if len(set(classes)) != len(classes):
+            raise ValueError(f"traffic class names must be unique: {classes}")
+        for c in self.traffic_classes:
+            if c.pool not in pools:
+                raise ValueError(f"traffic class {c.name!r} names unknown pool {c.pool!r}; "
+                                 f"pools are {pools}")
+        cl = self.classification
+        known = set(classes)
+        if cl.default_class not in known:
+            raise ValueError(f"classification.default_class {cl.default_class!r} is not a "
+                             f"traffic class; classes are {sorted(known)}")
+        for where, mapping in (("api_keys", cl.api_keys), ("service_tier", cl.service_tier)):
+            for k, v in mapping.items():
+                if v not in known:
+                    shown = k if where == "service_tier" else k[:4] + "..."
+                    raise ValueError(f"classification.{where}[{shown!r}] names unknown "
+                                     f"traffic class {v!r}; classes are {sorted(known)}")
+        return self
+
+    def routing_for(self, pool: PoolConfig) -> RoutingSettings:
+        """The pool's routing settings: the global ones, overridden by what the pool sets."""
+        if pool.routing is None:
+            return self.routing
+        return self.routing.model_copy(update=pool.routing.model_dump(exclude_unset=True))
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message says where and why."""
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """Follow a pydantic error location through the YAML node tree to a line number."""
+    line = None
+    for part in loc:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            node = node.value[part] if part < len(node.value) else None
+        else:
+            node = None
+    if node is not None:
+        line = node.start_mark.line + 1
+    return line
+
+
+def _loc_text(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        root = yaml.compose(text) if text else None
+        lines = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+            line = _line_of(root, loc) if root is not None else None
+            where = f"{source}:{line}" if line else source
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key (check its spelling and indentation)"
+            lines.append(f"{where}: {_loc_text(loc)}: {msg}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML config file; errors name the key, its path and line."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping with pools, traffic_classes "
+                          "and classification")
+    return parse_config(data, str(p), text)

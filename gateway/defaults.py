@@ -1,0 +1,35 @@
+"""The embedded default deployment that `prefix-gateway up` runs with no configuration."""
+
+from __future__ import annotations
+
+from gateway.config import GatewayConfig, parse_config
+
+DEFAULT_MODEL = "tiny"
+REALTIME_REPLICAS = 3
+BATCH_REPLICAS = 2
+
+
+def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int = 8080,
+                   model: str = DEFAULT_MODEL, realtime_engine: str = "vllm",
+                   batch_engine: str = "trtllm") -> GatewayConfig:
+    """Two pools: `realtime` (vLLM-like replicas) and `batch` (trtllm-serve-like replicas).
+
+    Requests choose a class with the `x-traffic-class` header or OpenAI's `service_tier`
+    (`flex` means batch); everything else is realtime.
+    """
+    return parse_config({
+        "server": {"host": "127.0.0.1", "port": port},
+        "pools": [
+            {"name": "realtime", "engine": realtime_engine, "models": [model],
+             "replicas": [{"name": f"realtime-{i}", "url": u}
+                          for i, u in enumerate(realtime_urls)]},
+            {"name": "batch", "engine": batch_engine, "models": [model],
+             "replicas": [{"name": f"batch-{i}", "url": u} for i, u in enumerate(batch_urls)]},
+        ],
+        "traffic_classes": [{"name": "realtime", "pool": "realtime"},
+                            {"name": "batch", "pool": "batch"}],
+        "classification": {"header": "x-traffic-class",
+                           "service_tier": {"flex": "batch", "default": "realtime",
+                                            "priority": "realtime", "auto": "realtime"},
+                           "default_class": "realtime"},
+    }, "<embedded default>")

@@ -1,0 +1,64 @@
+"""Every Prometheus metric the gateway exports, defined in this one place."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets span a cached prefix on a GPU (tens of ms) to a long cold prefill under queueing.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
+                5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                    160.0, 320.0, 640.0)
+
+
+class GatewayMetrics:
+    """The metric objects, on their own registry so tests can run several gateways."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        rl = ("pool", "replica", "traffic_class")
+        self.requests = Counter(
+            "gateway_requests", "Requests finished, by replica and HTTP status ('error' when the "
+            "client got no status from a replica).", (*rl, "status"), registry=r)
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds", "Time from request arrival at the gateway to "
+            "the first content token leaving the replica, measured at the gateway.", rl,
+            buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "gateway_time_per_output_token_seconds", "Mean time between output tokens after the "
+            "first, per request.", rl, buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "gateway_request_duration_seconds", "Time from request arrival to the last byte.",
+            rl, buckets=DURATION_BUCKETS, registry=r)
+        self.prefix_blocks = Counter(
+            "gateway_prefix_blocks", "Prompt blocks the router expected to hit (or miss) in the "
+            "chosen replica's cache at routing time (its own estimate).",
+            ("pool", "replica", "result"), registry=r)
+        self.engine_hit_ratio = Gauge(
+            "gateway_engine_prefix_cache_hit_ratio", "Prefix-cache hit ratio reported by the "
+            "replica's own metrics, in tokens, over the recent window.", ("pool", "replica"),
+            registry=r)
+        self.decisions = Counter(
+            "gateway_routing_decisions", "Routing decisions by policy and reason.",
+            ("pool", "policy", "reason"), registry=r)
+        self.inflight = Gauge(
+            "gateway_inflight_requests", "Requests in flight through the gateway.",
+            ("pool", "replica"), registry=r)
+        self.replica_up = Gauge(
+            "gateway_replica_up", "1 while the replica passes health checks.",
+            ("pool", "replica"), registry=r)
+        self.retries = Counter(
+            "gateway_retries", "Requests retried on another replica before the first byte.",
+            ("pool", "replica"), registry=r)
+        self.engine_waiting = Gauge(
+            "gateway_engine_requests_waiting", "Requests queued inside the engine (its metrics).",
+            ("pool", "replica"), registry=r)
+        self.engine_kv_usage = Gauge(
+            "gateway_engine_kv_cache_usage_ratio", "KV cache usage reported by the engine (0-1).",
+            ("pool", "replica"), registry=r)
+        self.match_fraction = Histogram(
+            "gateway_prefix_match_fraction", "Fraction of the prompt's blocks the router expected "
+            "to be cached on the chosen replica.", ("pool",),
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), registry=r)

@@ -1,0 +1,84 @@
+"""Child processes the CLI starts (simulated or real replicas) and stops with itself."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM if the gateway dies, even by SIGKILL, so no replica is
+    # left running behind a gateway that is gone.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def spawn(args: Sequence[str], log_path: str | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+
+
+def wait_healthy(urls: Sequence[str], procs: Sequence[subprocess.Popen], deadline_s: float,
+                 path: str = "/health") -> None:
+    """Poll each URL until it answers 200, or fail with the reason once the deadline passes."""
+    end = time.monotonic() + deadline_s
+    pending = list(urls)
+    while pending:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a replica process exited early with code {p.returncode}: "
+                                   f"{' '.join(p.args[:6])} ...")
+        url = pending[0]
+        try:
+            with urllib.request.urlopen(url + path, timeout=1) as r:
+                if r.status == 200:
+                    pending.pop(0)
+                    continue
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"replica {url} did not become healthy within {deadline_s:.0f}s")
+        time.sleep(0.1)
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,113 @@
+"""Routing statistics for people: what /admin/stats returns and `prefix-gateway stats` prints."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+from backends.pool import Pool
+
+
+class ReplicaStats:
+    __slots__ = ("errors", "hit_blocks", "miss_blocks", "requests", "ttfts")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.ttfts: deque[float] = deque(maxlen=2048)
+
+
+class StatsRecorder:
+    """Counts kept beside the Prometheus metrics, in a shape a person can read at once."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, ReplicaStats] = {}
+        self.decisions: dict[str, Counter[str]] = {}
+        self.classes: dict[str, Counter[str]] = {}
+
+    def replica(self, name: str) -> ReplicaStats:
+        s = self.replicas.get(name)
+        if s is None:
+            s = self.replicas[name] = ReplicaStats()
+        return s
+
+    def snapshot(self, pools: list[Pool], policies: dict[str, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"pools": []}
+        for pool in pools:
+            reps = []
+            for r in pool.replicas.values():
+                s = self.replica(r.name)
+                looked = s.hit_blocks + s.miss_blocks
+                snap = r.snapshot
+                reps.append({
+                    "name": r.name,
+                    "url": r.base_url,
+                    "healthy": r.healthy,
+                    "last_error": r.last_error or None,
+                    "inflight": pool.load.inflight.get(r.name, 0),
+                    "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
+                    "requests": s.requests,
+                    "errors": s.errors,
+                    "estimated_hit_ratio": round(s.hit_blocks / looked, 4) if looked else None,
+                    "engine_hit_ratio": (round(r.engine_hit_ratio, 4)
+                                         if r.engine_hit_ratio is not None else None),
+                    "engine_waiting": snap.waiting if snap else None,
+                    "engine_kv_usage": snap.kv_usage if snap else None,
+                    "index_blocks": len(pool.router.indexes[r.name]),
+                    "index_capacity_blocks": pool.router.indexes[r.name].capacity_blocks,
+                    "ttft_p50_s": _quantile(s.ttfts, 0.5),
+                    "ttft_p95_s": _quantile(s.ttfts, 0.95),
+                })
+            out["pools"].append({
+                "name": pool.name,
+                "engine": pool.engine,
+                "policy": policies.get(pool.name, pool.policy_name),
+                "models": sorted(pool.models),
+                "traffic_classes": dict(self.classes.get(pool.name, Counter())),
+                "decisions_by_reason": dict(self.decisions.get(pool.name, Counter())),
+                "replicas": reps,
+            })
+        return out
+
+
+def _quantile(values: deque[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+
+def render_table(stats: dict[str, Any]) -> str:
+    """A fixed-width table of /admin/stats for a terminal."""
+    cols = ("replica", "healthy", "inflight", "requests", "errors", "est_hit", "engine_hit",
+            "ttft_p50", "ttft_p95")
+    lines: list[str] = []
+    for pool in stats.get("pools", []):
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(pool["decisions_by_reason"].items()))
+        classes = ", ".join(f"{k}={v}" for k, v in sorted(pool["traffic_classes"].items()))
+        lines.append(f"pool {pool['name']} ({pool['engine']}, policy {pool['policy']}, "
+                     f"models {', '.join(pool['models'])})")
+        lines.append(f"  decisions: {reasons or '-'}")
+        lines.append(f"  classes:   {classes or '-'}")
+        rows = [cols]
+        for r in pool["replicas"]:
+            rows.append((
+                r["name"], "yes" if r["healthy"] else "NO", str(r["inflight"]),
+                str(r["requests"]), str(r["errors"]), _pct(r["estimated_hit_ratio"]),
+                _pct(r["engine_hit_ratio"]), _ms(r["ttft_p50_s"]), _ms(r["ttft_p95_s"]),
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        for row in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.1f}ms"

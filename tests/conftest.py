@@ -1,0 +1,139 @@
+"""Shared fixtures: real simulated replicas and a real gateway, each a process on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway import processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Sims:
+    urls: list[str]
+    kinds: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def stop(self) -> None:
+        processes.stop_all(self.procs)
+
+
+def start_sims(kinds: list[str], tmp: Path, *, time_scale: float = 0.02,
+               profile: str = "llama-8b-h200", model: str = "tiny",
+               extra: tuple[str, ...] = ()) -> Sims:
+    """Start one simulated replica process per entry of `kinds` ("vllm" or "trtllm")."""
+    ports = processes.free_ports(len(kinds))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = []
+    for i, (port, kind) in enumerate(zip(ports, kinds, strict=True)):
+        cmd = [sys.executable, "-m", "backends.sim", "--port", str(port), "--kind", kind,
+               "--model", model, "--profile", profile, "--time-scale", str(time_scale),
+               "--name", f"sim{i}", *extra]
+        procs.append(processes.spawn(cmd, str(tmp / f"sim-{i}.log")))
+    sims = Sims(urls, kinds, procs)
+    try:
+        processes.wait_healthy(urls, procs, deadline_s=30)
+    except RuntimeError:
+        sims.stop()
+        raise
+    return sims
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen
+    config_path: Path
+    log_path: Path
+
+    def stop(self) -> None:
+        processes.stop_all([self.proc])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def two_pool_config(realtime: list[str], batch: list[str], port: int, **routing) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "routing": {"policy": "prefix_affinity", **routing},
+        "pools": [
+            {"name": "realtime", "engine": "vllm", "models": ["tiny"],
+             "replicas": [{"name": f"rt-{i}", "url": u} for i, u in enumerate(realtime)],
+             "health": {"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 1,
+                        "metrics_interval_s": 0.2}},
+            {"name": "batch", "engine": "trtllm", "models": ["tiny"],
+             "replicas": [{"name": f"bt-{i}", "url": u} for i, u in enumerate(batch)],
+             "health": {"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 1,
+                        "metrics_interval_s": 0.2}},
+        ],
+        "traffic_classes": [{"name": "realtime", "pool": "realtime"},
+                            {"name": "batch", "pool": "batch"}],
+        "classification": {"header": "x-traffic-class", "service_tier": {"flex": "batch"},
+                           "api_keys": {"sk-batch-key": "batch"},
+                           "default_class": "realtime"},
+    }
+
+
+def start_gateway(config: dict, tmp: Path, name: str = "gateway") -> Gateway:
+    config_path = tmp / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = tmp / f"{name}.log"
+    proc = processes.spawn([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                            str(config_path), "--log-level", "warning"], str(log_path))
+    url = f"http://127.0.0.1:{config['server']['port']}"
+    gw = Gateway(url, proc, config_path, log_path)
+    try:
+        processes.wait_healthy([url], [proc], deadline_s=30, path="/ready")
+    except RuntimeError:
+        gw.stop()
+        raise RuntimeError("gateway did not become ready:\n" + gw.log()) from None
+    return gw
+
+
+def poll(predicate, deadline_s: float = 10.0, interval_s: float = 0.05):
+    """Wait for `predicate()` to return a truthy value, or fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {deadline_s}s")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[tuple[Gateway, Sims]]:
+    """Three realtime (vLLM-like) and two batch (trtllm-like) simulated replicas + a gateway."""
+    tmp = tmp_path_factory.mktemp("fleet")
+    sims = start_sims(["vllm", "vllm", "vllm", "trtllm", "trtllm"], tmp)
+    port = processes.free_ports(1)[0]
+    try:
+        gw = start_gateway(two_pool_config(sims.urls[:3], sims.urls[3:], port), tmp)
+    except Exception:
+        sims.stop()
+        raise
+    yield gw, sims
+    gw.stop()
+    sims.stop()
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+os.environ.setdefault("OPENAI_API_KEY", "unused-by-the-gateway")

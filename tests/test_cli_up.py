@@ -1,0 +1,67 @@
+"""`prefix-gateway up`: the embedded default starts, serves both pools, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway import processes
+from tests.conftest import poll
+
+
+def children_of(pid: int) -> set[int]:
+    kids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces; the parent pid follows its closing parenthesis.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            kids.add(int(entry.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_serves_both_pools_and_stops_everything(tmp_path, sig) -> None:
+    port = processes.free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--port", str(port),
+                            "--time-scale", "0.02", "--log-dir", str(tmp_path)],
+                           str(tmp_path / "up.log"))
+    try:
+        processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
+        replicas = children_of(proc.pid)
+        assert len(replicas) == 5
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        rt = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        assert rt.headers["x-gateway-pool"] == "realtime"
+        assert rt.headers["x-gateway-replica"].startswith("realtime-")
+        bt = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+            extra_headers={"x-traffic-class": "batch"})
+        assert bt.headers["x-gateway-replica"].startswith("batch-")
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=30) in (0, -sig, 128 + sig)
+        poll(lambda: not any(alive(p) for p in replicas), deadline_s=15)
+    finally:
+        processes.stop_all([proc])
+    log = (tmp_path / "up.log").read_text()
+    assert "serving on" in log

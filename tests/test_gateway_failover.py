@@ -1,0 +1,106 @@
+"""Replicas that fail: health probing takes them out and back, retries hide a dead replica."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from gateway import processes
+from tests.conftest import poll, start_gateway, start_sims, two_pool_config
+
+
+@pytest.fixture
+def small_fleet(tmp_path):
+    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
+    port = processes.free_ports(1)[0]
+    config = two_pool_config(sims.urls[:2], sims.urls[2:], port)
+    # Slow probes: a failure must be noticed by the request path itself, not by the prober.
+    for pool in config["pools"]:
+        pool["health"]["interval_s"] = 30
+    gw = start_gateway(config, tmp_path)
+    yield gw, sims
+    gw.stop()
+    sims.stop()
+
+
+def replica_up(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("gateway_replica_up{"):
+            name = line.split('replica="')[1].split('"')[0]
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_dead_replica_is_skipped_before_the_first_byte(small_fleet) -> None:
+    gw, sims = small_fleet
+    c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    prompt = "A long shared prefix for failover. " * 40
+    home = c.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=2)
+    home_name = home.headers["x-gateway-replica"]
+    home_url = sims.urls[int(home_name.split("-")[1])]
+    httpx.post(home_url + "/sim/fail")
+    # Same prefix, so routing prefers the failing home; the gateway must retry elsewhere.
+    for stream in (False, True):
+        raw = c.completions.with_raw_response.create(model="tiny", prompt=prompt + "again",
+                                                     max_tokens=2, stream=stream)
+        if stream:
+            assert list(raw.parse())
+        assert raw.headers["x-gateway-replica"] != home_name
+    assert replica_up(gw.url)[home_name] == 0
+    stats = httpx.get(gw.url + "/admin/stats").json()
+    rt = next(p for p in stats["pools"] if p["name"] == "realtime")
+    home_stats = next(r for r in rt["replicas"] if r["name"] == home_name)
+    assert home_stats["healthy"] is False and "503" in home_stats["last_error"]
+
+
+def test_replica_leaves_and_rejoins_rotation(tmp_path) -> None:
+    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
+    port = processes.free_ports(1)[0]
+    gw = start_gateway(two_pool_config(sims.urls[:2], sims.urls[2:], port), tmp_path)
+    try:
+        httpx.post(sims.urls[0] + "/sim/fail")
+        poll(lambda: replica_up(gw.url).get("rt-0") == 0)
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for i in range(6):
+            raw = c.completions.with_raw_response.create(model="tiny", prompt=f"p{i} " * 200,
+                                                         max_tokens=1)
+            assert raw.headers["x-gateway-replica"] == "rt-1"
+        httpx.post(sims.urls[0] + "/sim/recover")
+        poll(lambda: replica_up(gw.url).get("rt-0") == 1)
+        # Whole batch pool down: its class gets 503 with an OpenAI error, realtime still works.
+        httpx.post(sims.urls[2] + "/sim/fail")
+        poll(lambda: replica_up(gw.url).get("bt-0") == 0)
+        r = httpx.post(gw.url + "/v1/completions", headers={"x-traffic-class": "batch"},
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_healthy_replica"
+        ready = httpx.get(gw.url + "/ready")
+        assert ready.status_code == 503 and ready.json()["healthy_replicas"]["batch"] == 0
+        assert c.completions.create(model="tiny", prompt="still fine", max_tokens=1).choices
+    finally:
+        gw.stop()
+        sims.stop()
+
+
+def test_stopped_replica_process_is_survived(tmp_path) -> None:
+    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
+    port = processes.free_ports(1)[0]
+    config = two_pool_config(sims.urls[:2], sims.urls[2:], port)
+    for pool in config["pools"]:
+        pool["health"]["interval_s"] = 30
+    gw = start_gateway(config, tmp_path)
+    try:
+        processes.stop_all([sims.procs[0]])
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        # Every request succeeds: connection refused on rt-0 is retried on rt-1 at once.
+        for i in range(8):
+            raw = c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": f"q{i} " * 100}],
+                max_tokens=1)
+            assert raw.headers["x-gateway-replica"] == "rt-1"
+    finally:
+        gw.stop()
+        sims.stop()
