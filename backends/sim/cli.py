@@ -1,0 +1,90 @@
+"""Command-line options of `prefix-gateway sim` / `python -m backends.sim`."""
+
+from __future__ import annotations
+
+import argparse
+
+from backends.sim.model import PROFILES
+from backends.sim.replica import SimReplicaSpec
+from backends.sim.server import serve_sims
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulated replica's options to `parser`."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument(
+        "--port", type=int, required=True, help="port of the first replica (0: a free port)"
+    )
+    parser.add_argument(
+        "--count", type=int, default=1, help="replicas to run, on consecutive ports (default 1)"
+    )
+    parser.add_argument("--kind", choices=("vllm", "trtllm"), default="vllm")
+    parser.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help="served model name; repeat for aliases (default: tiny)",
+    )
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="vllm-cpu-tiny")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every simulated duration (0.01 runs a 100x faster engine)",
+    )
+    parser.add_argument("--kv-capacity-tokens", type=int, default=262_144)
+    parser.add_argument(
+        "--block-tokens", type=int, default=None, help="KV block size (default vllm 16, trtllm 32)"
+    )
+    parser.add_argument(
+        "--max-running", type=int, default=None, help="max running sequences (default: profile)"
+    )
+    parser.add_argument("--name", default="sim", help="replica name prefix")
+    parser.add_argument(
+        "--trtllm-perf-metrics",
+        action="store_true",
+        help="trtllm: mount /prometheus/metrics, as trtllm-serve does with return_perf_metrics",
+    )
+    parser.add_argument(
+        "--trtllm-legacy-metrics",
+        action="store_true",
+        help="trtllm: 1.1.0rc5's five un-prefixed Prometheus names instead of trtllm_*",
+    )
+
+
+def specs_from_args(args: argparse.Namespace) -> list[SimReplicaSpec]:
+    if args.count < 1:
+        raise SystemExit("--count must be at least 1")
+    if args.port == 0 and args.count > 1:
+        raise SystemExit("--count > 1 needs an explicit --port (replicas use consecutive ports)")
+    return [
+        SimReplicaSpec(
+            name=f"{args.name}-{i}" if args.count > 1 else args.name,
+            port=args.port + i if args.port else 0,
+            kind=args.kind,
+            models=tuple(args.models or ("tiny",)),
+            profile=args.profile,
+            time_scale=args.time_scale,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+            block_tokens=args.block_tokens,
+            max_running=args.max_running,
+            trtllm_perf_metrics=args.trtllm_perf_metrics,
+            trtllm_legacy_metrics=args.trtllm_legacy_metrics,
+        )
+        for i in range(args.count)
+    ]
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Serve the replicas the options describe until Ctrl-C."""
+    serve_sims(specs_from_args(args), host=args.host)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m backends.sim",
+        description="Simulated vLLM / trtllm-serve replicas on loopback, for tests and planning.",
+    )
+    add_sim_arguments(parser)
+    return main_from_args(parser.parse_args(argv))

@@ -1,0 +1,318 @@
+"""The simulated replica over real loopback HTTP, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.sim.server import SimCluster, SimReplicaSpec, start_sims
+
+LONG_PREFIX = "You are a careful assistant. " * 200  # ~5,800 characters, ~1,450 tokens
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[SimCluster]:
+    specs = [
+        SimReplicaSpec(name="v0", kind="vllm", models=("tiny", "tiny-alias"), time_scale=0.05),
+        SimReplicaSpec(name="v1", kind="vllm", time_scale=0.05),
+        SimReplicaSpec(name="t0", kind="trtllm", time_scale=0.05, trtllm_perf_metrics=True),
+        SimReplicaSpec(
+            name="t1",
+            kind="trtllm",
+            time_scale=0.05,
+            trtllm_perf_metrics=True,
+            trtllm_legacy_metrics=True,
+        ),
+    ]
+    c = await start_sims(specs)
+    try:
+        yield c
+    finally:
+        await c.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def _client(cluster: SimCluster, name: str) -> openai.AsyncOpenAI:
+    url = f"http://{cluster.host}:{cluster.by_name(name).port}/v1"
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def _url(cluster: SimCluster, name: str, path: str) -> str:
+    return f"http://{cluster.host}:{cluster.by_name(name).port}{path}"
+
+
+async def _metrics(http: aiohttp.ClientSession, url: str) -> dict[str, dict[str, float]]:
+    """Prometheus samples by name, then by rendered labels (model_name dropped)."""
+    async with http.get(url) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out.setdefault(s.name, {})[labels] = s.value
+    return out
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll `check` until it holds; fail after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_chat_non_streaming_reports_usage(cluster: SimCluster) -> None:
+    client = _client(cluster, "v0")
+    resp = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=5
+    )
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert len(resp.choices[0].message.content.split()) == 5
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 5
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+
+async def test_chat_streaming_shape(cluster: SimCluster) -> None:
+    client = _client(cluster, "v0")
+    stream = await client.chat.completions.create(
+        model="tiny-alias",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) == 4
+    assert content[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 4
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completions_streaming_and_not(cluster: SimCluster) -> None:
+    client = _client(cluster, "v1")
+    resp = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3)
+    assert resp.object == "text_completion"
+    assert len(resp.choices[0].text.split()) == 3
+    stream = await client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=6, stream=True
+    )
+    texts = [c.choices[0].text async for c in stream]
+    assert len(texts) == 6
+    assert "".join(texts) == "".join(
+        [
+            c.choices[0].text
+            async for c in await client.completions.create(
+                model="tiny", prompt="Something else", max_tokens=6, stream=True
+            )
+        ]
+    )
+
+
+async def test_default_max_tokens_is_16(cluster: SimCluster) -> None:
+    resp = await _client(cluster, "v1").completions.create(model="tiny", prompt="x")
+    assert resp.usage is not None and resp.usage.completion_tokens == 16
+
+
+async def test_shared_prefix_is_cached_and_faster_in_engine_metrics(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    client = _client(cluster, "v0")
+    metrics_url = _url(cluster, "v0", "/metrics")
+    ttft_sums = [0.0]
+    cached = []
+    for question in ("What is a cache?", "What is a router?"):
+        resp = await client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "system", "content": LONG_PREFIX},
+                {"role": "user", "content": question},
+            ],
+            max_tokens=2,
+        )
+        assert resp.usage is not None
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        m = await _metrics(http, metrics_url)
+        ttft_sums.append(m["vllm:time_to_first_token_seconds_sum"]["engine=0"])
+    assert cached[0] == 0
+    assert cached[1] >= 1400
+    assert cached[1] % 16 == 0
+    first, second = ttft_sums[1] - ttft_sums[0], ttft_sums[2] - ttft_sums[1]
+    assert 0 < second < first
+    m = await _metrics(http, metrics_url)
+    assert m["vllm:prefix_cache_hits_total"]["engine=0"] == cached[1]
+    assert m["vllm:prefix_cache_queries_total"]["engine=0"] > cached[1]
+
+
+async def test_vllm_metrics_names_and_isolation(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    await _client(cluster, "v0").completions.create(model="tiny", prompt="abc " * 50, max_tokens=3)
+    m0 = await _metrics(http, _url(cluster, "v0", "/metrics"))
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:cache_config_info",
+    ):
+        assert name in m0, name
+    assert m0["vllm:prompt_tokens_total"]["engine=0"] == 50
+    assert m0["vllm:generation_tokens_total"]["engine=0"] == 3
+    assert m0["vllm:request_success_total"]["engine=0,finished_reason=length"] == 1
+    (info,) = m0["vllm:cache_config_info"]
+    assert "block_size=16" in info and "enable_prefix_caching=True" in info
+    m1 = await _metrics(http, _url(cluster, "v1", "/metrics"))
+    assert m1["vllm:prompt_tokens_total"]["engine=0"] == 0
+
+
+async def test_running_gauge_follows_in_flight_requests(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    client = _client(cluster, "v1")
+    url = _url(cluster, "v1", "/metrics")
+    task = asyncio.create_task(
+        client.completions.create(model="tiny", prompt="long reply", max_tokens=2000)
+    )
+
+    async def running() -> bool:
+        return (await _metrics(http, url))["vllm:num_requests_running"]["engine=0"] == 1
+
+    await _until(running)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def drained() -> bool:
+        return (await _metrics(http, url))["vllm:num_requests_running"]["engine=0"] == 0
+
+    await _until(drained)
+
+
+async def test_errors_are_openai_shaped(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+    client = _client(cluster, "v0")
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.completions.create(model="nope", prompt="x")
+    assert "nope" in err.value.message
+    async with http.post(_url(cluster, "v0", "/v1/chat/completions"), data=b"{not json") as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+async def test_tokenize_and_reset_prefix_cache(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(_url(cluster, "v0", "/tokenize"), json={"prompt": "a" * 40}) as resp:
+        body = await resp.json()
+    assert body["count"] == 10 and len(body["tokens"]) == 10 and body["max_model_len"] > 0
+    messages = [{"role": "user", "content": "hello"}]
+    async with http.post(_url(cluster, "v0", "/tokenize"), json={"messages": messages}) as resp:
+        assert (await resp.json())["count"] > 0
+    await _client(cluster, "v0").completions.create(model="tiny", prompt="z" * 400, max_tokens=1)
+    async with http.post(_url(cluster, "v0", "/reset_prefix_cache")) as resp:
+        assert resp.status == 200
+    async with http.get(_url(cluster, "v0", "/sim/state")) as resp:
+        assert (await resp.json())["resident_blocks"] == 0
+
+
+async def test_fault_switch(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+    client = _client(cluster, "v1")
+    async with http.post(_url(cluster, "v1", "/sim/fail")) as resp:
+        assert resp.status == 200
+    async with http.get(_url(cluster, "v1", "/health")) as resp:
+        assert resp.status == 503
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model="tiny", prompt="x")
+    assert err.value.status_code == 503
+    async with http.post(_url(cluster, "v1", "/sim/recover")) as resp:
+        assert resp.status == 200
+    async with http.get(_url(cluster, "v1", "/health")) as resp:
+        assert resp.status == 200
+    assert (await client.completions.create(model="tiny", prompt="x")).choices
+
+
+async def test_models_and_version(cluster: SimCluster) -> None:
+    models = await _client(cluster, "v0").models.list()
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
+    trt = await _client(cluster, "t0").models.list()
+    assert trt.data[0].owned_by == "tensorrt_llm"
+
+
+async def test_trtllm_surface(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+    client = _client(cluster, "t0")
+    for _ in range(2):
+        resp = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "system", "content": LONG_PREFIX}, {"role": "user", "content": "q"}],
+            max_tokens=2,
+        )
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens_details.cached_tokens % 32 == 0
+    assert resp.usage.prompt_tokens_details.cached_tokens > 0
+    async with http.get(_url(cluster, "t0", "/metrics")) as r:
+        assert r.content_type == "application/json"
+        stats = await r.json()
+    assert isinstance(stats, list) and stats
+    kv = stats[-1]["kvCacheStats"]
+    assert kv["tokensPerBlock"] == 32
+    assert kv["reusedBlocks"] > 0 and kv["missedBlocks"] > 0
+    assert kv["maxNumBlocks"] == kv["freeNumBlocks"] + kv["usedNumBlocks"]
+    assert 0 < kv["cacheHitRate"] < 1
+    assert {"numActiveRequests", "numQueuedRequests", "iter", "iterLatencyMS"} <= set(stats[-1])
+    async with http.get(_url(cluster, "t0", "/metrics")) as r:
+        assert await r.json() == []  # drained, as trtllm-serve's stats queue is
+    async with http.post(_url(cluster, "t0", "/tokenize"), json={"prompt": "x"}) as r:
+        assert r.status == 404
+    async with http.get(_url(cluster, "t0", "/health_generate")) as r:
+        assert r.status == 200
+    m = await _metrics(http, _url(cluster, "t0", "/prometheus/metrics"))
+    assert m["trtllm_kv_cache_reused_blocks_total"]["engine_type=undefined"] > 0
+    assert "trtllm_time_to_first_token_seconds_count" in m
+    assert "trtllm_num_requests_running" in m
+
+
+async def test_trtllm_prometheus_mount_and_legacy_names(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    await _client(cluster, "t1").completions.create(model="tiny", prompt="x", max_tokens=1)
+    m = await _metrics(http, _url(cluster, "t1", "/prometheus/metrics"))
+    assert "time_to_first_token_seconds_count" in m
+    assert "request_success_total" in m
+    assert not any(name.startswith("trtllm_") for name in m)
+    async with http.get(_url(cluster, "t1", "/version")) as r:
+        assert (await r.json())["version"] == "1.1.0rc5"
+    spec = SimReplicaSpec(name="plain", kind="trtllm", time_scale=0.05)
+    plain = await start_sims([spec])
+    try:
+        url = f"http://{plain.host}:{plain.replicas[0].port}/prometheus/metrics"
+        async with http.get(url) as r:
+            assert r.status == 404  # mounted only with perf metrics on
+    finally:
+        await plain.stop()
