@@ -1,0 +1,1 @@
+"""Benchmarks: trace replay, the offline simulator, locust scenarios, hot-path figures."""

@@ -1,0 +1,239 @@
+"""Request traces: Mooncake-format loading, synthetic workloads, prompt text, ideal hit ratio.
+
+A trace request is a list of 512-token block ids (Mooncake `hash_ids`, chained: the same id
+always follows the same predecessor). Prompt text is synthesised deterministically from the ids,
+so equal id chains give equal text prefixes and each full block has the same amount of text
+(`BLOCK_TOKENS * CHARS_PER_TOKEN` characters). Both the HTTP replay and the offline simulator
+read traces through this module, so they see the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import xxhash
+
+BLOCK_TOKENS = 512
+CHARS_PER_TOKEN = 4
+BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
+
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber basil "
+    "cedar dune ember fjord grove harbor iris jade kelp lumen maple nectar onyx pearl quartz "
+    "reef sage thorn umber vale willow yarrow zephyr"
+).split()
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace (times in seconds from the trace start)."""
+
+    timestamp_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+    session: str = ""
+
+    def block_tokens(self, i: int) -> int:
+        """Tokens in block i: full blocks, and the remainder in the last one."""
+        if i < len(self.hash_ids) - 1:
+            return BLOCK_TOKENS
+        return max(1, self.input_tokens - BLOCK_TOKENS * (len(self.hash_ids) - 1))
+
+
+def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake-format JSONL trace (timestamp in ms), sorted by time."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            row = json.loads(line)
+            ids = row["hash_ids"]
+            if isinstance(ids, dict):
+                raise ValueError(f"{path}: hash_ids is an object; this is not a Mooncake-format "
+                                 "trace (RAGPulse traces load with load_ragpulse)")
+            out.append(TraceRequest(float(row["timestamp"]) / 1000.0, int(row["input_length"]),
+                                    int(row["output_length"]), tuple(int(h) for h in ids),
+                                    str(row.get("session_id", ""))))
+    out.sort(key=lambda r: r.timestamp_s)
+    return out[:limit] if limit else out
+
+
+def load_ragpulse(directory: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read RAGPulse's trace as 512-token-block requests.
+
+    Its chunk ids are content ids, not prefix-chained, so they are chained here (a block's id
+    depends on every chunk before it) to model what an exact prefix cache can reuse. Chunk
+    lengths vary (at most 512 tokens); they are rounded to whole blocks of text by keeping
+    the total token count and one block per chunk.
+    """
+    d = Path(directory)
+    rows = []
+    with open(d / "0_trace.jsonl") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    rows.sort(key=lambda r: float(r["timestamp"]))
+    out = []
+    for row in rows[:limit] if limit else rows:
+        ids = row["hash_ids"]
+        chunks = [f"{k}:{c}" for k in ("sys_prompt", "passages_ids", "history", "web_search",
+                                       "user_input") for c in ids.get(k, [])]
+        chained, h = [], 0
+        for c in chunks:
+            h = _chain(h, c)
+            chained.append(h)
+        n_blocks = max(1, -(-int(row["input_length"]) // BLOCK_TOKENS))
+        # Keep the chain's head (the shared system prompt) and as many blocks as the length.
+        blocks = chained + [_chain(h, f"pad{i}") for i in range(n_blocks)]
+        out.append(TraceRequest(float(row["timestamp"]), int(row["input_length"]),
+                                int(row["output_length"]), tuple(blocks[:n_blocks]),
+                                str(row.get("session_id", ""))))
+    return out
+
+
+def _chain(parent: int, chunk: str) -> int:
+    # Stable across processes, unlike hash(): replay and simulator must agree on ids.
+    return xxhash.xxh3_64_intdigest(chunk.encode(), seed=parent) >> 2
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """A Mooncake JSONL file, or a RAGPulse directory."""
+    p = Path(path)
+    if p.is_dir():
+        return load_ragpulse(p, limit)
+    return load_mooncake(p, limit)
+
+
+# -- prompt text ---------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=65536)
+def block_text(hash_id: int) -> str:
+    """The text of a full block: exactly BLOCK_CHARS characters, a pure function of its id."""
+    rng = random.Random(hash_id)
+    words = rng.choices(_WORDS, k=BLOCK_CHARS // 4)
+    text = f"[{hash_id}] " + " ".join(words)
+    return (text + " " + text)[:BLOCK_CHARS - 1] + "\n"
+
+
+def prompt_text(req: TraceRequest) -> str:
+    """The request's prompt: its blocks' texts in order, the last one cut to its length."""
+    parts = [block_text(h) for h in req.hash_ids[:-1]]
+    if req.hash_ids:
+        last = req.block_tokens(len(req.hash_ids) - 1) * CHARS_PER_TOKEN
+        parts.append(block_text(req.hash_ids[-1])[:last])
+    return "".join(parts)
+
+
+# -- reference figures ---------------------------------------------------------------------
+
+
+def ideal_hit_ratio(requests: Iterable[TraceRequest]) -> float:
+    """Token-weighted prefix-chain hit ratio of one infinite cache, in arrival order.
+
+    A block hits when its id (and so, chained, its whole prefix) was seen in any earlier
+    request; the walk stops at the first miss, as a paged prefix cache's lookup does.
+    """
+    seen: set[int] = set()
+    hit = total = 0
+    for req in requests:
+        matching = True
+        for i, h in enumerate(req.hash_ids):
+            t = req.block_tokens(i)
+            total += t
+            if matching and h in seen:
+                hit += t
+            else:
+                matching = False
+        seen.update(req.hash_ids)
+    return hit / total if total else 0.0
+
+
+def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:
+    if speedup == 1.0:
+        return requests
+    return [TraceRequest(r.timestamp_s / speedup, r.input_tokens, r.output_tokens, r.hash_ids,
+                         r.session) for r in requests]
+
+
+# -- synthetic workloads -------------------------------------------------------------------
+
+
+def _ids(seed: int) -> Iterator[int]:
+    rng = random.Random(seed)
+    while True:
+        yield rng.getrandbits(62)
+
+
+def tenants_workload(n_tenants: int = 150, system_blocks: int = 12, users_per_tenant: int = 5,
+                     query_blocks: int = 2, rate_per_s: float = 10.0, n_requests: int = 2000,
+                     output_tokens: int = 100, seed: int = 1) -> list[TraceRequest]:
+    """Many tenants with long shared contexts (llm-d's B2B benchmark shape).
+
+    Each tenant has a context of `system_blocks` blocks (6,000 tokens at 12 blocks) shared by
+    its users; each request adds `query_blocks` fresh blocks. Tenants are drawn uniformly, so
+    the KV demand is n_tenants * system_blocks blocks, which should exceed one replica's cache.
+    """
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+    contexts = [[next(ids) for _ in range(system_blocks)] for _ in range(n_tenants)]
+    out, t = [], 0.0
+    for i in range(n_requests):
+        t += rng.expovariate(rate_per_s)
+        tenant = rng.randrange(n_tenants)
+        blocks = (*contexts[tenant], *(next(ids) for _ in range(query_blocks)))
+        out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output_tokens, blocks,
+                                f"t{tenant}-u{i % users_per_tenant}"))
+    return out
+
+
+def hot_prompt_workload(system_blocks: int = 4, user_blocks: int = 1, rate_per_s: float = 20.0,
+                        n_requests: int = 2000, output_tokens: int = 100,
+                        seed: int = 2) -> list[TraceRequest]:
+    """One system prompt shared by every request (the hot-spot case)."""
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+    system = [next(ids) for _ in range(system_blocks)]
+    out, t = [], 0.0
+    for _ in range(n_requests):
+        t += rng.expovariate(rate_per_s)
+        blocks = (*system, *(next(ids) for _ in range(user_blocks)))
+        out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output_tokens, blocks))
+    return out
+
+
+def multi_turn_workload(n_sessions: int = 200, turns: int = 6, system_blocks: int = 2,
+                        turn_blocks: int = 2, rate_per_s: float = 8.0, think_time_s: float = 20.0,
+                        output_tokens: int = 150, seed: int = 3) -> list[TraceRequest]:
+    """Chat sessions whose every turn extends the previous turn's prompt."""
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+    systems = [[next(ids) for _ in range(system_blocks)] for _ in range(8)]
+    out, start = [], 0.0
+    for s in range(n_sessions):
+        start += rng.expovariate(rate_per_s / turns)
+        blocks = list(systems[s % len(systems)])
+        t = start
+        for _ in range(turns):
+            blocks += [next(ids) for _ in range(turn_blocks)]
+            out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output_tokens, tuple(blocks),
+                                    f"s{s}"))
+            t += rng.expovariate(1.0 / think_time_s)
+    out.sort(key=lambda r: r.timestamp_s)
+    return out
+
+
+SYNTHETIC = {
+    "tenants": tenants_workload,
+    "hot_prompt": hot_prompt_workload,
+    "multi_turn": multi_turn_workload,
+}
