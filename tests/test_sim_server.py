@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.server import SimCluster, SimReplicaSpec, start_sims
+from routing.hashing import char_block_hashes
+from routing.prompt import render_chat
 
 LONG_PREFIX = "You are a careful assistant. " * 200  # ~5,800 characters, ~1,450 tokens
 
@@ -197,7 +199,7 @@ async def test_running_gauge_follows_in_flight_requests(
     client = _client(cluster, "v1")
     url = _url(cluster, "v1", "/metrics")
     task = asyncio.create_task(
-        client.completions.create(model="tiny", prompt="long reply", max_tokens=2000)
+        client.completions.create(model="tiny", prompt="long reply", max_tokens=200_000)
     )
 
     async def running() -> bool:
@@ -211,7 +213,10 @@ async def test_running_gauge_follows_in_flight_requests(
     async def drained() -> bool:
         return (await _metrics(http, url))["vllm:num_requests_running"]["engine=0"] == 0
 
-    await _until(drained)
+    await _until(drained)  # long before 200,000 tokens: the disconnect aborted the request
+    async with http.get(_url(cluster, "v1", "/sim/state")) as resp:
+        state = await resp.json()
+    assert state["request_aborted"] == 1 and state["used_blocks"] == 0
 
 
 async def test_errors_are_openai_shaped(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
@@ -336,3 +341,44 @@ async def test_vllm_metrics_follow_the_real_engine_page(
         real_labels = {k for s in real[fam.name].samples for k in s.labels}
         our_labels = {k for s in fam.samples for k in s.labels}
         assert our_labels <= real_labels, (fam.name, our_labels - real_labels)
+
+
+async def test_stream_disconnect_aborts_the_request(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    client = _client(cluster, "v0")
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=200_000, stream=True
+    )
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    await stream.close()
+    state_url = _url(cluster, "v0", "/sim/state")
+
+    async def aborted() -> bool:
+        async with http.get(state_url) as resp:
+            state = await resp.json()
+        return state["request_aborted"] == 1 and state["running"] == 0
+
+    await _until(aborted)
+
+
+async def test_engine_blocks_are_the_routing_hash_chain(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    """The sim caches exactly the chained character blocks routing computes for a prompt."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": LONG_PREFIX}, {"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    }
+    async with http.post(_url(cluster, "v1", "/v1/chat/completions"), json=body) as resp:
+        assert resp.status == 200
+    expected = char_block_hashes(render_chat(body), 16 * 4)
+    async with http.get(_url(cluster, "v1", "/sim/state?hashes=1")) as resp:
+        resident = {int(h) for h in (await resp.json())["block_hashes"]}
+    assert len(expected) > 80
+    assert set(expected) <= resident

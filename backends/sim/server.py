@@ -401,7 +401,9 @@ async def start_sims(specs: Sequence[SimReplicaSpec], host: str = "127.0.0.1") -
     try:
         for spec in specs:
             replica = SimReplica(spec)
-            runner = web.AppRunner(build_app(replica), access_log=None)
+            # Cancel handlers whose client went away, so the engine aborts the request as
+            # vLLM and trtllm-serve do, instead of generating for nobody.
+            runner = web.AppRunner(build_app(replica), access_log=None, handler_cancellation=True)
             await runner.setup()
             cluster._runners.append(runner)
             site = web.TCPSite(runner, host, spec.port)
