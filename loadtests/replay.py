@@ -1,0 +1,574 @@
+"""Replay a request trace against the gateway (or any OpenAI-compatible router) over HTTP.
+
+Without --url it starts `--replicas N` simulated replicas (one `python -m backends.sim --count N`
+process) and a gateway in front of them, replays, and stops both. With --url it drives a running
+router and reads the replicas named by --replica-urls, so another router can be measured in front
+of the same replicas. Prompts come from loadtests.traces.prompt_text; arrivals follow the trace's
+timestamps divided by --speedup (open loop). The report's cache and balance figures come from the
+replicas' own Prometheus /metrics, never from the router, so they mean the same for every router.
+
+    python loadtests/replay.py --trace ../shared/traces/synthetic_trace.jsonl \
+        --replicas 8 --limit 1000 --speedup 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
+    sys.path.insert(0, str(ROOT))
+
+from gateway import processes  # noqa: E402
+from gateway.config import RoutingSettings  # noqa: E402
+from loadtests.traces import (  # noqa: E402
+    BLOCK_TOKENS,
+    SYNTHETIC,
+    TraceRequest,
+    ideal_hit_ratio,
+    load_trace,
+    prompt_text,
+    scale_time,
+)
+
+MODEL = "tiny"
+# 1,024 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
+# about 30k distinct blocks, so 8 replicas (8k blocks) cannot hold them and caches evict.
+DEFAULT_KV_CAPACITY_TOKENS = 1024 * BLOCK_TOKENS
+DEFAULT_PROFILE = "llama-8b-h200"
+DEFAULT_MAX_OUTPUT = 1024
+SAMPLE_INTERVAL_S = 0.5
+REQUIRED_KEYS = (
+    "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+    "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance", "prefill_imbalance",
+    "peak_inflight_imbalance", "policy",
+)  # fmt: skip
+
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+SUCCESS = "vllm:request_success_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+_WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
+
+
+def log(msg: str) -> None:
+    print(f"replay: {msg}", file=sys.stderr, flush=True)
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+def load_requests(trace: str | None, workload: str | None, limit: int | None,
+                  speedup: float) -> list[TraceRequest]:
+    """The first `limit` requests of a trace file or synthetic workload, time-scaled."""
+    if workload:
+        reqs = sorted(SYNTHETIC[workload](), key=lambda r: r.timestamp_s)
+        reqs = reqs[:limit] if limit else reqs
+    elif trace:
+        reqs = load_trace(trace, limit)
+    else:
+        raise SystemExit("replay: give --trace PATH or --workload NAME")
+    if reqs:
+        t0 = reqs[0].timestamp_s
+        # Start at the first request, not at the trace's zero, so nobody waits for nothing.
+        reqs = [TraceRequest(r.timestamp_s - t0, r.input_tokens, r.output_tokens, r.hash_ids,
+                             r.session) for r in reqs]
+    return scale_time(reqs, speedup)
+
+
+# -- replica metrics -------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum of every series of each wanted family (one replica may label several engines)."""
+    out = dict.fromkeys(_WANTED, 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for sep in ("{", " "):
+            i = line.find(sep)
+            if 0 <= i < name_end:
+                name_end = i
+        name = line[:name_end]
+        if name in out:
+            with contextlib.suppress(ValueError):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def read_metrics(session: aiohttp.ClientSession, urls: Sequence[str],
+                       timeout_s: float = 5.0) -> list[dict[str, float] | None]:
+    async def one(url: str) -> dict[str, float] | None:
+        try:
+            async with session.get(url.rstrip("/") + "/metrics",
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                return parse_metrics(await r.text())
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def _imbalance(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else None
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float = 0.0
+    lag_s: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class ReplayOptions:
+    max_output: int = DEFAULT_MAX_OUTPUT
+    concurrency_limit: int = 0
+    timeout_s: float = 600.0
+    model: str = MODEL
+    label: str = "external"
+
+
+async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opts: ReplayOptions,
+                lag_s: float) -> Result:
+    max_tokens = max(1, min(req.output_tokens, opts.max_output))
+    body = {
+        "model": opts.model,
+        "prompt": prompt_text(req),
+        "max_tokens": max_tokens,
+        # Generate exactly max_tokens (vLLM and SGLang read these; others ignore them).
+        "ignore_eos": True,
+        "min_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    start = time.perf_counter()
+    first = last = None
+    events = 0
+    usage_tokens = None
+    try:
+        async with session.post(url, data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json"}) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
+                              error=f"HTTP {resp.status}: {text}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                if b'"completion_tokens"' in data:
+                    with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
+                        usage = orjson.loads(data).get("usage") or {}
+                        usage_tokens = int(usage["completion_tokens"])
+                    if b'"choices":[]' in data or b'"choices": []' in data:
+                        continue
+                if first is None:
+                    # Parse only until the first chunk with text: that is the TTFT.
+                    try:
+                        chunk = orjson.loads(data)
+                        choice = (chunk.get("choices") or [{}])[0]
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    except (orjson.JSONDecodeError, AttributeError, IndexError):
+                        text = None
+                    if not text:
+                        continue
+                    first = time.perf_counter()
+                last = time.perf_counter()
+                events += 1
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
+                      error=f"{type(exc).__name__}: {exc}"[:200])
+    end = time.perf_counter()
+    if first is None:
+        return Result(False, latency_s=end - start, lag_s=lag_s, error="no content in stream")
+    tokens = usage_tokens or events
+    tpot = (last - first) / (tokens - 1) if tokens > 1 and last is not None else None
+    return Result(True, first - start, tpot, end - start, lag_s, tokens)
+
+
+async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: asyncio.Event,
+                   out: list[float]) -> None:
+    """Every ~0.5 s: max over mean of the replicas' running + waiting (if the mean is >= 1)."""
+    while not stop.is_set():
+        snap = await read_metrics(session, urls, timeout_s=2.0)
+        loads = [m[RUNNING] + m[WAITING] for m in snap if m is not None]
+        if loads and len(loads) == len(urls):
+            mean = sum(loads) / len(loads)
+            if mean >= 1:
+                out.append(max(loads) / mean)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+
+
+@dataclass
+class RunData:
+    results: list[Result] = field(default_factory=list)
+    duration_s: float = 0.0
+    before: list[dict[str, float] | None] = field(default_factory=list)
+    after: list[dict[str, float] | None] = field(default_factory=list)
+    inflight_ratios: list[float] = field(default_factory=list)
+
+
+async def replay(url: str, replica_urls: Sequence[str], requests: Sequence[TraceRequest],
+                 opts: ReplayOptions) -> RunData:
+    """Send every request at its (scaled) time, open loop, and read the replicas around it."""
+    endpoint = url.rstrip("/") + "/v1/completions"
+    # limit=0: no cap on connections, so the pool never delays an open-loop arrival.
+    connector = aiohttp.TCPConnector(limit=opts.concurrency_limit or 0, ttl_dns_cache=300,
+                                     keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=opts.timeout_s, sock_connect=10)
+    data = RunData()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
+            aiohttp.ClientSession() as metrics_session:
+        data.before = await read_metrics(metrics_session, replica_urls)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(
+            _sampler(metrics_session, replica_urls, stop, data.inflight_ratios))
+        sem = asyncio.Semaphore(opts.concurrency_limit) if opts.concurrency_limit else None
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 0.2
+        wall0 = time.perf_counter()
+
+        async def fire(req: TraceRequest) -> Result:
+            if sem is None:
+                return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
+            async with sem:
+                return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
+
+        tasks = []
+        for req in requests:
+            delay = t0 + req.timestamp_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire(req)))
+        data.results = list(await asyncio.gather(*tasks))
+        data.duration_s = time.perf_counter() - wall0
+        stop.set()
+        await sampler
+        # Engines update their counters when a request finishes; give them a moment.
+        await asyncio.sleep(0.3)
+        data.after = await read_metrics(metrics_session, replica_urls)
+    return data
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> dict[str, Any]:
+    ok = [r for r in data.results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
+    lags = [r.lag_s for r in data.results]
+    errors = [r.error for r in data.results if not r.ok]
+    per_req, per_prefill, hits = [], [], []
+    queries = 0.0
+    hit_total = 0.0
+    complete = all(m is not None for m in data.before + data.after) and data.before
+    if complete:
+        for b, a in zip(data.before, data.after, strict=True):
+            assert a is not None and b is not None
+            dq, dh = a[QUERIES] - b[QUERIES], a[HITS] - b[HITS]
+            per_req.append(a[SUCCESS] - b[SUCCESS])
+            per_prefill.append(dq - dh)
+            hits.append(dh)
+            queries += dq
+            hit_total += dh
+    out: dict[str, Any] = {
+        "policy": policy,
+        "requests": len(data.results),
+        "errors": len(errors),
+        "duration_s": round(data.duration_s, 3),
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "tpot_p50_s": percentile(tpots, 0.5),
+        "hit_ratio": hit_total / queries if queries > 0 else None,
+        "ideal_hit_ratio": ideal_hit_ratio(requests),
+        "imbalance": _imbalance(per_req),
+        "prefill_imbalance": _imbalance(per_prefill),
+        "peak_inflight_imbalance": max(data.inflight_ratios) if data.inflight_ratios else None,
+        "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),
+        "send_lag_p99_s": percentile(lags, 0.99),
+        "requests_per_replica": [int(x) for x in per_req],
+        "prefill_tokens_per_replica": [int(x) for x in per_prefill],
+        "output_tokens": sum(r.tokens for r in ok),
+        "input_tokens": sum(r.input_tokens for r in requests),
+    }
+    if errors:
+        out["first_errors"] = errors[:3]
+    if not complete:
+        out["metrics_error"] = "some replica /metrics could not be read; cache figures omitted"
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+    if isinstance(v, list):
+        return " ".join(str(x) for x in v)
+    return str(v)
+
+
+def render_table(res: dict[str, Any]) -> str:
+    rows = [(k, _fmt(res.get(k))) for k in (
+        "policy", "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
+        "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
+        "prefill_imbalance", "peak_inflight_imbalance", "latency_p50_s", "send_lag_p99_s",
+        "requests_per_replica")]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+# -- local fleet: simulated replicas and a gateway -------------------------------------------
+
+
+def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A base port such that base .. base+n-1 are all free now (the sim needs consecutive ones)."""
+    for _ in range(200):
+        base = processes.free_ports(1, host)[0]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind((host, p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@dataclass
+class Fleet:
+    """Processes this run started; stop() ends them (idempotent)."""
+
+    replica_urls: list[str] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="replay-")))
+
+    def stop(self) -> None:
+        processes.stop_all(self.procs)
+        self.procs.clear()
+
+
+def start_sims(fleet: Fleet, n: int, kv_capacity_tokens: int, profile: str,
+               time_scale: float) -> list[str]:
+    base = consecutive_free_ports(n)
+    cmd = [processes.python(), "-m", "backends.sim", "--port", str(base), "--count", str(n),
+           "--kind", "vllm", "--model", MODEL, "--profile", profile, "--time-scale",
+           str(time_scale), "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", "sim"]
+    proc = processes.spawn(cmd, str(fleet.log_dir / "sims.log"),
+                           env={"PYTHONPATH": str(ROOT)})
+    fleet.procs.append(proc)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+    processes.wait_healthy(urls, [proc], deadline_s=60)
+    fleet.replica_urls = urls
+    return urls
+
+
+def gateway_config(replica_urls: Sequence[str], port: int, policy: str | None) -> dict[str, Any]:
+    """One pool of the given replicas; the policy left out means the gateway's default."""
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "pools": [{
+            "name": "replay", "engine": "vllm", "models": [MODEL],
+            "replicas": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(replica_urls)],
+        }],
+        "traffic_classes": [{"name": "default", "pool": "replay"}],
+        "classification": {"default_class": "default"},
+    }
+    if policy:
+        cfg["routing"] = {"policy": policy}
+    return cfg
+
+
+def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
+                  name: str = "gateway") -> tuple[str, subprocess.Popen]:
+    port = processes.free_ports(1)[0]
+    path = fleet.log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(gateway_config(replica_urls, port, policy)))
+    log_path = fleet.log_dir / f"{name}.log"
+    proc = processes.spawn([processes.python(), "-m", "gateway.cli", "serve", "--config",
+                            str(path), "--log-level", "warning"], str(log_path),
+                           env={"PYTHONPATH": str(ROOT)})
+    fleet.procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
+    except RuntimeError as exc:
+        raise RuntimeError(f"gateway did not become ready: {exc}\n"
+                           + log_path.read_text(errors="replace")[-2000:]) from None
+    return url, proc
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the finally blocks stop the child processes."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def default_policy() -> str:
+    return str(RoutingSettings().policy)
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop  # the client must not be the bottleneck on 2 cores
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
+    src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
+    p.add_argument("--replicas", type=int, default=8, help="simulated replicas (without --url)")
+    p.add_argument("--policy", default=None,
+                   help=f"gateway routing policy (default: the gateway's, {default_policy()})")
+    p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    p.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT,
+                   help=f"cap on max_tokens (default {DEFAULT_MAX_OUTPUT})")
+    p.add_argument("--kv-capacity-tokens", type=int, default=DEFAULT_KV_CAPACITY_TOKENS,
+                   help=f"simulated KV cache per replica (default {DEFAULT_KV_CAPACITY_TOKENS}"
+                   f" = {DEFAULT_KV_CAPACITY_TOKENS // BLOCK_TOKENS} blocks of {BLOCK_TOKENS})")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help=f"simulated latency profile (default {DEFAULT_PROFILE})")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply simulated latencies (0.1 = ten times faster engines)")
+    p.add_argument("--url", help="drive this running OpenAI-compatible router instead")
+    p.add_argument("--replica-urls", default="",
+                   help="comma-separated replica base URLs whose /metrics to read (with --url)")
+    p.add_argument("--label", help="policy name to report (default: the policy, or 'external')")
+    p.add_argument("--model", default=MODEL, help="model name to send")
+    p.add_argument("--concurrency-limit", type=int, default=0,
+                   help="cap on requests in flight (default 0: none, pure open loop)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    p.add_argument("--output", help="append the JSON result to this JSONL file")
+    return p
+
+
+def emit(res: dict[str, Any], as_json: bool, output: str | None) -> None:
+    print(render_table(res), end="", flush=True)
+    line = json.dumps(res, sort_keys=False)
+    if output:
+        with open(output, "a") as f:
+            f.write(line + "\n")
+    if as_json:
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    requests = load_requests(args.trace, args.workload, args.limit, args.speedup)
+    if not requests:
+        raise SystemExit("replay: no requests to send")
+    fleet = Fleet()
+    try:
+        with sigterm_as_interrupt():
+            if args.url:
+                url = args.url
+                replica_urls = [u.strip() for u in args.replica_urls.split(",") if u.strip()]
+                policy = args.label or "external"
+            else:
+                if args.replica_urls:
+                    raise SystemExit("replay: --replica-urls needs --url")
+                replica_urls = start_sims(fleet, args.replicas, args.kv_capacity_tokens,
+                                          args.profile, args.time_scale)
+                url, _ = start_gateway(fleet, replica_urls, args.policy)
+                policy = args.label or args.policy or default_policy()
+                log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
+                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "
+                    f"gateway ({policy}) at {url}; logs in {fleet.log_dir}")
+            span = requests[-1].timestamp_s
+            log(f"replaying {len(requests)} requests over {span:.1f} s to {url}")
+            opts = ReplayOptions(args.max_output, args.concurrency_limit, args.timeout,
+                                 args.model, policy)
+            data = run_async(replay(url, replica_urls, requests, opts))
+            res = summarize(data, requests, policy)
+            if not args.url:
+                res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
+                           profile=args.profile, time_scale=args.time_scale)
+            res.update(speedup=args.speedup, max_output=args.max_output,
+                       source=args.workload or os.path.basename(str(args.trace).rstrip("/")))
+            emit(res, args.json, args.output)
+    except KeyboardInterrupt:
+        log("interrupted; stopping")
+        return 130
+    finally:
+        fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
