@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from backends.sim.model import PROFILES, EngineModel, Event, PrefixCache
@@ -217,3 +219,31 @@ def test_iteration_log_records_steps() -> None:
     assert recs[0].num_context_requests == 1 and recs[0].num_ctx_tokens == 128
     assert recs[-1].num_completed == 1
     assert recs[0].missed_blocks == 4
+
+
+def test_many_requests_conserve_tokens_and_blocks() -> None:
+    """A busy engine under KV pressure: everything finishes and every block comes back."""
+    rng = random.Random(7)
+    engine = EngineModel(PROFILES["qwen-32b-h200"], 3_000 * BT, BT, max_running=32)
+    prefixes = [_hashes(f"sys{i}", rng.randint(20, 200)) for i in range(12)]
+    now, expected_gen, submitted = 0.0, 0, []
+    events: list[Event] = []
+    for i in range(600):
+        now += rng.expovariate(30.0)
+        events += _run(engine, until=now)
+        events += engine.advance(now)
+        hashes = rng.choice(prefixes) + _hashes(f"u{i}", rng.randint(0, 10))
+        granted = engine.submit(f"r{i}", hashes, len(hashes) * BT + 3, rng.randint(1, 64), now)
+        expected_gen += granted
+        submitted.append(f"r{i}")
+    events += _run(engine)
+    finished = {e.req_id for e in events if e.kind == "finished"}
+    assert finished == set(submitted)
+    s = engine.stats()
+    assert s.generation_tokens == expected_gen
+    assert s.request_success == 600
+    assert s.used_blocks == 0 and s.running == s.waiting == 0
+    assert s.pending_prefill_tokens == 0
+    assert 0 < s.prefix_cache_hit_tokens < s.prefix_cache_query_tokens
+    assert engine.cache.evicted_blocks > 0
+    assert s.resident_blocks <= s.capacity_blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.sim.cli import add_sim_arguments, specs_from_args
 from backends.sim.server import SimCluster, SimReplicaSpec, start_sims
 from routing.hashing import char_block_hashes
 from routing.prompt import render_chat
@@ -382,3 +384,27 @@ async def test_engine_blocks_are_the_routing_hash_chain(
         resident = {int(h) for h in (await resp.json())["block_hashes"]}
     assert len(expected) > 80
     assert set(expected) <= resident
+
+
+def test_cli_builds_consecutive_replicas() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--port",
+            "9100",
+            "--count",
+            "3",
+            "--kind",
+            "trtllm",
+            "--model",
+            "m",
+            "--time-scale",
+            "0.5",
+        ]
+    )
+    specs = specs_from_args(args)
+    assert [s.port for s in specs] == [9100, 9101, 9102]
+    assert [s.name for s in specs] == ["sim-0", "sim-1", "sim-2"]
+    assert all(s.kind == "trtllm" and s.models == ("m",) and s.time_scale == 0.5 for s in specs)
+    assert specs[0].effective_block_tokens == 32

@@ -531,6 +531,7 @@ class EngineModel:
         if req.state == "waiting":
             self._waiting.remove(req)
             self._pending_prefill -= req.prompt_tokens
+            self._kv_blocked = False  # it may have been the head that did not fit
         elif req.state == "prefill":
             self._prefilling.remove(req)
             self._pending_prefill -= req.prompt_tokens - req.computed
