@@ -1,0 +1,401 @@
+"""The gateway's own added latency and CPU cost: direct-to-stub vs through-the-gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway import processes  # noqa: E402
+
+SERVER_CORE = 0  # gateway (or proxy) and the stubs share this core
+CLIENT_CORE = 1  # the load generator runs alone on this one
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def pinned(cmd: list[str], core: int) -> list[str]:
+    return ["taskset", "-c", str(core), *cmd] if _has_taskset() else cmd
+
+
+def _has_taskset() -> bool:
+    return subprocess.call(["sh", "-c", "command -v taskset"], stdout=subprocess.DEVNULL) == 0
+
+
+def pin_self(core: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {core})
+
+
+def start_stubs(count: int, log_dir: Path) -> tuple[subprocess.Popen, list[str]]:
+    """One stub process serving `count` replicas on consecutive ports."""
+    base = processes.free_ports(1)[0]
+    # Make sure the whole range is free (free_ports gives one; probe the rest by binding).
+    while True:
+        ports = list(range(base, base + count))
+        try:
+            _check_free(ports)
+            break
+        except OSError:
+            base = processes.free_ports(1)[0]
+    proc = processes.spawn(pinned([sys.executable, str(ROOT / "loadtests" / "stub_replica.py"),
+                                   "--port", str(base), "--count", str(count)], SERVER_CORE),
+                           str(log_dir / "stub.log"))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    processes.wait_healthy(urls, [proc], deadline_s=20)
+    return proc, urls
+
+
+def _check_free(ports: list[int]) -> None:
+    import socket
+
+    socks = []
+    try:
+        for p in ports:
+            s = socket.socket()
+            s.bind(("127.0.0.1", p))
+            socks.append(s)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def gateway_config(urls: list[str], port: int, policy: str = "prefix_affinity",
+                   internal_stream: bool = True) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "non_streaming_ttft": internal_stream},
+        "routing": {"policy": policy},
+        "pools": [{"name": "main", "engine": "vllm", "models": ["tiny"],
+                   "replicas": [{"name": f"stub-{i}", "url": u} for i, u in enumerate(urls)]}],
+        "traffic_classes": [{"name": "default", "pool": "main"}],
+        "classification": {"default_class": "default"},
+    }
+
+
+def start_gateway(urls: list[str], log_dir: Path, name: str = "gateway",
+                  internal_stream: bool = True) -> tuple[subprocess.Popen, str]:
+    port = processes.free_ports(1)[0]
+    cfg = log_dir / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, internal_stream=internal_stream)))
+    proc = processes.spawn(pinned([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                   str(cfg), "--log-level", "warning"], SERVER_CORE),
+                           str(log_dir / f"{name}.log"), env={"PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    processes.wait_healthy([url], [proc], deadline_s=30, path="/ready")
+    return proc, url
+
+
+def request_bodies(n: int = 256, stream: bool = False) -> list[bytes]:
+    """Chat requests sharing 16 system prompts (~1.5 KB), so prefix routing has work to do."""
+    systems = [f"You are assistant #{k}. " + "Follow the house style guide carefully. " * 36
+               for k in range(16)]
+    out = []
+    for i in range(n):
+        body = {"model": "tiny", "max_tokens": 16, "stream": stream,
+                "messages": [{"role": "system", "content": systems[i % 16]},
+                             {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]}
+        out.append(orjson.dumps(body))
+    return out
+
+
+@dataclass
+class Run:
+    """One measurement: requests, errors, wall time, latencies (s), CPU-seconds of targets."""
+
+    ok: int = 0
+    errors: int = 0
+    wall: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    cpu: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.wall if self.wall else 0.0
+
+    def pct(self, q: float, ttft: bool = False) -> float:
+        xs = sorted(self.ttfts if ttft else self.latencies)
+        if not xs:
+            return float("nan")
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
+              run: Run, t0: float | None = None) -> None:
+    start = t0 if t0 is not None else time.perf_counter()
+    try:
+        async with session.post(url, data=body,
+                                headers={"content-type": "application/json"}) as resp:
+            if stream:
+                first = None
+                async for _ in resp.content.iter_any():
+                    if first is None:
+                        first = time.perf_counter()
+                if first is not None:
+                    run.ttfts.append(first - start)
+            else:
+                await resp.read()
+            if resp.status != 200:
+                run.errors += 1
+                return
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        run.errors += 1
+        return
+    run.latencies.append(time.perf_counter() - start)
+    run.ok += 1
+
+
+def _session(limit: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=30), skip_auto_headers=("User-Agent",),
+        auto_decompress=False)
+
+
+async def closed_loop(urls: list[str], bodies: list[bytes], stream: bool, concurrency: int,
+                      duration: float, pids: list[int]) -> Run:
+    """`concurrency` workers back to back for `duration` seconds (after a short warm-up)."""
+    async with _session(concurrency) as session:
+        warm = Run()
+        await asyncio.gather(*(one(session, urls[i % len(urls)], bodies[i % len(bodies)],
+                                   stream, warm) for i in range(concurrency * 4)))
+        run = Run()
+        stop = time.perf_counter() + duration
+        counter = iter(range(10**9))
+
+        async def worker() -> None:
+            while time.perf_counter() < stop:
+                i = next(counter)
+                await one(session, urls[i % len(urls)], bodies[i % len(bodies)], stream, run)
+
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        run.wall = time.perf_counter() - t0
+        run.cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        return run
+
+
+async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: float,
+                    duration: float, pids: list[int]) -> Run:
+    """Requests started on a fixed schedule; latency counts from the scheduled start."""
+    async with _session(0) as session:
+        warm = Run()
+        await asyncio.gather(*(one(session, urls[i % len(urls)], bodies[i], stream, warm)
+                               for i in range(32)))
+        run = Run()
+        n = int(rate * duration)
+        tasks = []
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        t0 = time.perf_counter()
+        for i in range(n):
+            due = t0 + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session, urls[i % len(urls)],
+                                                 bodies[i % len(bodies)], stream, run, due)))
+        await asyncio.gather(*tasks)
+        run.wall = time.perf_counter() - t0
+        run.cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        return run
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    fmt = ".0f" if max(abs(x) for x in xs) >= 100 else ".3f"
+    return f"{min(xs):{fmt}}..{max(xs):{fmt}}"
+
+
+@contextlib.contextmanager
+def fleet(count: int, internal_stream: bool = True) -> Iterator[dict]:
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        log_dir = Path(tmp)
+        stub, urls = start_stubs(count, log_dir)
+        procs = [stub]
+        try:
+            gw, gw_url = start_gateway(urls, log_dir, internal_stream=internal_stream)
+            procs.append(gw)
+            yield {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
+        finally:
+            processes.stop_all(procs)
+
+
+def interleave(reps: int, variants: list[str], fn: Callable[[str, int], None]) -> None:
+    """A, B, A, B, ...: every repetition runs each variant once, alternating the order."""
+    for r in range(reps):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            fn(v, r)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    results: dict = {"closed": {}, "open": {}, "config": vars(args)}
+    with fleet(args.replicas, not args.no_internal_stream) as f:
+        targets = {
+            # Direct: the load generator talks to the stubs itself, round robin over them.
+            "direct": ([u + "/v1/chat/completions" for u in f["urls"]], [f["stub"].pid]),
+            "gateway": ([f["gateway_url"] + "/v1/chat/completions"],
+                        [f["gateway"].pid, f["stub"].pid]),
+        }
+        gw_pid = f["gateway"].pid
+        for stream in (False, True):
+            bodies = request_bodies(stream=stream)
+            mode = "stream" if stream else "non-stream"
+
+            def run_closed(target: str, _r: int, stream: bool = stream, bodies=bodies,
+                           mode: str = mode) -> None:
+                urls, pids = targets[target]
+                g0 = cpu_seconds(gw_pid)
+                run = _run_sync(closed_loop, urls, bodies, stream, args.concurrency,
+                                args.duration, pids)
+                gcpu = cpu_seconds(gw_pid) - g0
+                rec = results["closed"].setdefault(mode, {}).setdefault(target, [])
+                rec.append({"rps": run.rps, "ok": run.ok, "errors": run.errors,
+                            "cpu_ms_per_req": 1000 * run.cpu / max(1, run.ok),
+                            "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok)
+                            if target == "gateway" else 0.0,
+                            "p50_ms": 1000 * run.pct(0.5)})
+                print(f"  closed c={args.concurrency} {mode:10} {target:8} {run.rps:8.0f} req/s"
+                      f"  errors {run.errors}", file=sys.stderr, flush=True)
+
+            interleave(args.reps, list(targets), run_closed)
+            for rate in args.rates:
+                def run_open(target: str, _r: int, stream: bool = stream, bodies=bodies,
+                             mode: str = mode, rate: float = rate) -> None:
+                    urls, pids = targets[target]
+                    g0 = cpu_seconds(gw_pid)
+                    run = _run_sync(open_loop, urls, bodies, stream, rate, args.duration, pids)
+                    gcpu = cpu_seconds(gw_pid) - g0
+                    rec = results["open"].setdefault(f"{mode}@{rate:g}", {}).setdefault(
+                        target, [])
+                    rec.append({"p50_ms": 1000 * run.pct(0.5), "p99_ms": 1000 * run.pct(0.99),
+                                "ttft_p50_ms": 1000 * run.pct(0.5, True) if stream else None,
+                                "ttft_p99_ms": 1000 * run.pct(0.99, True) if stream else None,
+                                "ok": run.ok, "errors": run.errors,
+                                "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok)
+                                if target == "gateway" else 0.0})
+                    print(f"  open {rate:g}/s {mode:10} {target:8} p50 {1000 * run.pct(0.5):.2f}"
+                          f" ms  p99 {1000 * run.pct(0.99):.2f} ms  errors {run.errors}",
+                          file=sys.stderr, flush=True)
+
+                interleave(args.reps, list(targets), run_open)
+    return results
+
+
+def _run_sync(fn, urls: list[str], bodies: list[bytes], stream: bool, *rest) -> Run:
+    """Run one measurement on a fresh event loop (round robin over `urls`)."""
+    return asyncio.run(fn(urls, bodies, stream, *rest))
+
+
+def summarise(res: dict) -> dict:
+    out: dict = {"closed": {}, "open": {}}
+    for mode, by in res["closed"].items():
+        d, g = by["direct"], by["gateway"]
+        out["closed"][mode] = {
+            "direct_rps": med([x["rps"] for x in d]),
+            "direct_rps_spread": spread([x["rps"] for x in d]),
+            "gateway_rps": med([x["rps"] for x in g]),
+            "gateway_rps_spread": spread([x["rps"] for x in g]),
+            "gateway_cpu_ms_per_req": med([x["gateway_cpu_ms_per_req"] for x in g]),
+            "gateway_cpu_ms_spread": spread([x["gateway_cpu_ms_per_req"] for x in g]),
+            "stub_cpu_ms_per_req_direct": med([x["cpu_ms_per_req"] for x in d]),
+            "errors": sum(x["errors"] for x in d + g),
+        }
+    for key, by in res["open"].items():
+        d, g = by["direct"], by["gateway"]
+        row = {}
+        for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            if d[0][metric] is None:
+                continue
+            dm, gm = med([x[metric] for x in d]), med([x[metric] for x in g])
+            added = [gx[metric] - dx[metric] for dx, gx in zip(d, g, strict=False)]
+            row[metric] = {"direct": dm, "gateway": gm, "added": med(added),
+                           "added_spread": spread(added)}
+        row["gateway_cpu_ms_per_req"] = med([x["gateway_cpu_ms_per_req"] for x in g])
+        row["errors"] = sum(x["errors"] for x in d + g)
+        out["open"][key] = row
+    return out
+
+
+def print_table(s: dict, args: argparse.Namespace) -> None:
+    print(f"\nclosed loop, c={args.concurrency}, {args.duration:g}s x {args.reps} reps "
+          "(median, [min..max])")
+    print(f"{'mode':11} {'direct req/s':>22} {'gateway req/s':>22} {'gw CPU-ms/req':>20}"
+          f" {'req per gw CPU-s':>17}")
+    for mode, r in s["closed"].items():
+        print(f"{mode:11} {r['direct_rps']:8.0f} [{r['direct_rps_spread']:>11}] "
+              f"{r['gateway_rps']:8.0f} [{r['gateway_rps_spread']:>11}] "
+              f"{r['gateway_cpu_ms_per_req']:6.3f} [{r['gateway_cpu_ms_spread']:>11}] "
+              f"{1000 / r['gateway_cpu_ms_per_req'] if r['gateway_cpu_ms_per_req'] else 0:17.0f}")
+    print(f"\nopen loop, {args.duration:g}s x {args.reps} reps: latency ms (median over reps;"
+          " added = gateway - direct, per interleaved pair)")
+    print(f"{'mode@rate':18} {'metric':12} {'direct':>8} {'gateway':>8} {'added':>8} "
+          f"{'added spread':>16} {'gw CPU-ms/req':>14}")
+    for key, row in s["open"].items():
+        for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            if metric not in row:
+                continue
+            m = row[metric]
+            print(f"{key:18} {metric:12} {m['direct']:8.2f} {m['gateway']:8.2f} "
+                  f"{m['added']:+8.2f} {m['added_spread']:>16} "
+                  f"{row['gateway_cpu_ms_per_req']:14.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-internal-stream", action="store_true",
+                    help="gateway config non_streaming_ttft: false (plain non-stream forward)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+    pin_self(CLIENT_CORE)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    res = measure(args)
+    s = summarise(res)
+    if args.json:
+        print(json.dumps({"summary": s, "raw": res}, indent=1, default=str))
+    else:
+        print_table(s, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
