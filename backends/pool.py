@@ -93,11 +93,23 @@ class Pool:
                 views.append(v)
         return views
 
+    def token_block_size(self) -> int:
+        """Tokens per hashed block in engine_tokens mode: configured, else the engine's own."""
+        if self.settings.token_block_size:
+            return self.settings.token_block_size
+        for r in self.replicas.values():
+            if r.snapshot is not None and r.snapshot.block_size:
+                return r.snapshot.block_size
+        return self.adapter.default_block_size
+
     def apply_engine_capacity(self, replica: ReplicaState) -> None:
         """Size the replica's prefix index to what its engine reports it can cache."""
         snap = replica.snapshot
         cap = snap.capacity_tokens if snap else None
         if cap:
             s = self.settings
-            blocks = int(cap * s.chars_per_token / s.block_chars)
+            if s.hashing == "engine_tokens":
+                blocks = cap // self.token_block_size()
+            else:
+                blocks = int(cap * s.chars_per_token / s.block_chars)
             self.router.resize_index(replica.name, max(1, blocks))

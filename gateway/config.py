@@ -41,6 +41,12 @@ class RoutingSettings(_Strict):
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
+    hashing: Literal["chars", "engine_tokens"] = Field(
+        "chars", description="hash character blocks, or the engine's own tokens (vLLM /tokenize)"
+    )
+    token_block_size: int | None = Field(
+        None, ge=1, description="tokens per block with engine_tokens (default: the engine's)"
+    )
 
 
 class HealthSettings(_Strict):

@@ -14,6 +14,7 @@ from backends.pool import Pool, ReplicaState
 from gateway.errors import GatewayError, bad_request, model_not_found, no_replica, upstream_failed
 from gateway.sse import StreamWatcher, assemble
 from gateway.state import GatewayState
+from gateway.tokens import engine_token_request
 from routing.prompt import render_chat, render_completion
 from routing.types import Decision, RoutingRequest
 
@@ -121,8 +122,13 @@ class InferenceEndpoint:
                         f"traffic class {cls!r}." if others else
                         f" Available models: {state.models}.")
                 raise model_not_found(model, hint)
-            text = render_chat(payload) if self.chat else render_completion(payload)
-            request = pool.router.request_from_text(text, cls)
+            request = None
+            if pool.settings.hashing == "engine_tokens":
+                request = await engine_token_request(state.http, pool, payload, self.chat, model,
+                                                     cls)
+            if request is None:
+                text = render_chat(payload) if self.chat else render_completion(payload)
+                request = pool.router.request_from_text(text, cls)
         except GatewayError as err:
             await send_error(send, err)
             return
