@@ -1,0 +1,357 @@
+"""Offline discrete-event simulation of the gateway's routing over simulated engines (no HTTP).
+
+The replicas are `backends.sim.model.EngineModel`, the same cache and latency model the HTTP
+simulated replica runs; the router is `routing.Router` with the policy `routing.build_policy`
+makes from the gateway's `RoutingSettings`, fed as the gateway feeds it: the prompt text goes
+through `router.request_from_text`, replica views come from a `routing.LoadTracker` updated on
+dispatch, first token and finish, and each index is sized to its engine's KV capacity as the
+gateway does once it has read the engine's metrics. The engine hashes the same text with its
+own block size, so router and engine see one prompt through their own blocks.
+
+Events are arrivals (trace time / speedup) and engine step ends; nothing waits on a wall clock,
+so a whole trace over hundreds of replicas runs in seconds.
+
+    python loadtests/simulate.py --trace ../shared/traces/synthetic_trace.jsonl --policy all
+    python loadtests/simulate.py --workload tenants --replicas 32 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a script: make the repository root importable (loadtests is not installed).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.sim.model import PROFILES, EngineModel
+from backends.sim.prompt import estimate_tokens
+from gateway.config import RoutingSettings
+from loadtests.reference_policies import Oracle, SGLangCacheAware
+from loadtests.traces import (
+    SYNTHETIC,
+    TraceRequest,
+    ideal_hit_ratio,
+    load_trace,
+    prompt_text,
+    scale_time,
+)
+from routing import LoadTracker, Router, RoutingRequest, build_policy
+from routing.hashing import char_block_hashes
+from routing.policies.base import Policy
+
+GATEWAY_POLICIES = ("round_robin", "least_load", "consistent_hash", "prefix_affinity")
+REFERENCE_POLICIES = ("sglang_cache_aware", "oracle")
+ALL_POLICIES = (*GATEWAY_POLICIES, *REFERENCE_POLICIES)
+
+DEFAULT_PROFILE = "qwen-32b-h200"
+# 1,000 blocks of 512 tokens per replica: the DESIGN.md simulation's cache, about what a 32B
+# model leaves for KV on one 141 GB H200.
+DEFAULT_KV_CAPACITY_TOKENS = 512_000
+DEFAULT_ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block
+DEFAULT_MAX_OUTPUT = 1024
+
+REPORT_KEYS = (
+    "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+    "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance", "prefill_imbalance",
+    "peak_inflight_imbalance", "policy", "replicas", "workload",
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Workload:
+    """A named request list (times already scaled) and what is derived from its prompt text.
+
+    Prompt text is synthesised once per derivation and the results cached on the workload, so
+    a scoreboard running many policies over one workload hashes each prompt once per setting.
+    """
+
+    name: str
+    requests: list[TraceRequest]
+    _engine: dict[int, tuple[list[array], list[int]]] = field(default_factory=dict)
+    _routing: dict[tuple[int, float, int], list[RoutingRequest]] = field(default_factory=dict)
+    _ideal: float | None = None
+
+    def engine_prompts(self, block_tokens: int) -> tuple[list[array], list[int]]:
+        """Per request: the engine's chained block hashes and its prompt token count."""
+        got = self._engine.get(block_tokens)
+        if got is None:
+            hashes, tokens = [], []
+            # As backends/sim/prompt.text_prompt: blocks of block_tokens * 4 bytes of text.
+            for req in self.requests:
+                text = prompt_text(req)
+                hashes.append(array("Q", char_block_hashes(text, block_tokens * 4)))
+                tokens.append(estimate_tokens(text))
+            got = self._engine[block_tokens] = (hashes, tokens)
+        return got
+
+    def routing_requests(self, router: Router) -> list[RoutingRequest]:
+        """Per request: `router.request_from_text(text)`, exactly what the gateway computes."""
+        key = (router.block_chars, router.chars_per_token, router.key_blocks)
+        got = self._routing.get(key)
+        if got is None:
+            got = self._routing[key] = [router.request_from_text(prompt_text(r))
+                                        for r in self.requests]
+        return got
+
+    @property
+    def ideal_hit_ratio(self) -> float:
+        if self._ideal is None:
+            self._ideal = ideal_hit_ratio(self.requests)
+        return self._ideal
+
+
+def load_workload(trace: str | None = None, workload: str | None = None, *,
+                  limit: int | None = None, speedup: float = 1.0,
+                  params: dict[str, Any] | None = None) -> Workload:
+    """A trace file or directory, or a synthetic workload by name, with time divided by speedup."""
+    if trace:
+        requests = load_trace(trace, limit)
+        name = Path(trace).name
+    elif workload:
+        if workload not in SYNTHETIC:
+            raise SystemExit(f"unknown workload {workload!r}; choose one of {sorted(SYNTHETIC)}")
+        requests = SYNTHETIC[workload](**(params or {}))
+        requests = requests[:limit] if limit else requests
+        name = workload
+    else:
+        raise SystemExit("give --trace PATH or --workload NAME")
+    if speedup <= 0:
+        raise SystemExit("--speedup must be positive")
+    return Workload(name, scale_time(requests, speedup))
+
+
+def make_policy(name: str, settings: RoutingSettings, engines: dict[str, EngineModel],
+                overrides: dict[str, Any] | None = None) -> Policy:
+    if name == "oracle":
+        return Oracle(engines)
+    if name == "sglang_cache_aware":
+        return SGLangCacheAware(block_chars=settings.block_chars, **(overrides or {}))
+    return build_policy(name, **{**settings.model_dump(), **(overrides or {})})
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _max_over_mean(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 0.0
+
+
+def simulate(
+    workload: Workload,
+    policy: str = "prefix_affinity",
+    *,
+    replicas: int = 8,
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    profile: str = DEFAULT_PROFILE,
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
+    settings: RoutingSettings | None = None,
+    policy_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run one policy over the workload; returns the replay's report keys."""
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    settings = settings or RoutingSettings()
+    prof = PROFILES[profile]
+    names = [f"r{i}" for i in range(replicas)]
+    engines = {n: EngineModel(prof, kv_capacity_tokens, engine_block_tokens) for n in names}
+    engine_list = [engines[n] for n in names]
+    pol = make_policy(policy, settings, engines, policy_params)
+    router = Router(names, pol, block_chars=settings.block_chars,
+                    chars_per_token=settings.chars_per_token,
+                    index_capacity_blocks=settings.index_capacity_blocks,
+                    key_blocks=settings.key_blocks)
+    # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
+    index_blocks = max(1, int(kv_capacity_tokens * settings.chars_per_token
+                              / settings.block_chars))
+    for n in names:
+        router.resize_index(n, index_blocks)
+    load = LoadTracker()
+    oracle = pol if isinstance(pol, Oracle) else None
+
+    reqs = workload.requests
+    routing_reqs = workload.routing_requests(router)
+    engine_hashes, prompt_tokens = workload.engine_prompts(engine_block_tokens)
+    n = len(reqs)
+    replica_of = [-1] * n
+    uncached_est = [0.0] * n
+    first_at = [math.nan] * n
+    finish_at = [math.nan] * n
+    out_tokens = [0] * n
+    prefill_done = [0.0] * replicas  # true uncached prompt tokens computed, per replica
+    routed = [0] * replicas
+    peak = [0] * replicas
+    index_of = {name: i for i, name in enumerate(names)}
+
+    heap: list[tuple[float, int]] = []
+    scheduled: list[float | None] = [None] * replicas
+
+    def reschedule(i: int) -> None:
+        t = engine_list[i].next_event_time()
+        if t is not None and t != scheduled[i]:
+            scheduled[i] = t
+            heapq.heappush(heap, (t, i))
+        elif t is None:
+            scheduled[i] = None
+
+    def step(t: float, i: int) -> None:
+        eng = engine_list[i]
+        name = names[i]
+        for ev in eng.advance(t):
+            rid = int(ev.req_id)
+            if ev.kind == "first_token":
+                first_at[rid] = ev.time
+                prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
+                load.first_token(name, uncached_est[rid])
+            elif ev.kind == "finished":
+                finish_at[rid] = ev.time
+                out_tokens[rid] = ev.tokens
+                load.finished(name, uncached_est[rid], True)
+        scheduled[i] = None
+        reschedule(i)
+
+    def drain_until(t_limit: float) -> None:
+        while heap and heap[0][0] <= t_limit:
+            t, i = heapq.heappop(heap)
+            if scheduled[i] != t:
+                continue  # superseded
+            step(t, i)
+
+    for rid, req in enumerate(reqs):
+        now = req.timestamp_s
+        # Engine events at the arrival instant happen first: a step ending now frees its slot.
+        drain_until(now)
+        rr = routing_reqs[rid]
+        views = [load.view(name) for name in names]
+        if oracle is not None:
+            oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
+        decision = router.route(rr, views)
+        i = index_of[decision.replica]
+        eng = engine_list[i]
+        try:
+            eng.submit(str(rid), engine_hashes[rid], prompt_tokens[rid],
+                       max(1, min(req.output_tokens, max_output)), now)
+        except ValueError:
+            continue  # a prompt longer than the engine's KV cache: a 400 error over HTTP
+        replica_of[rid] = i
+        uncached_est[rid] = decision.uncached_tokens
+        load.dispatched(decision.replica, decision.uncached_tokens)
+        routed[i] += 1
+        inflight = load.inflight[decision.replica]
+        if inflight > peak[i]:
+            peak[i] = inflight
+        reschedule(i)
+    drain_until(math.inf)
+
+    done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
+    ttfts = sorted(first_at[r] - reqs[r].timestamp_s for r in done)
+    tpots = sorted((finish_at[r] - first_at[r]) / (out_tokens[r] - 1)
+                   for r in done if out_tokens[r] > 1 and not math.isnan(finish_at[r]))
+    hit = sum(e.cache.hit_tokens for e in engine_list)
+    query = sum(e.cache.query_tokens for e in engine_list)
+    start = reqs[0].timestamp_s if reqs else 0.0
+    end = max((finish_at[r] for r in done if not math.isnan(finish_at[r])), default=start)
+    return {
+        "requests": len(done),
+        "errors": n - len(done),
+        "duration_s": round(end - start, 3),
+        "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else 0.0,
+        "ttft_p50_s": round(_quantile(ttfts, 0.5), 4),
+        "ttft_p90_s": round(_quantile(ttfts, 0.9), 4),
+        "ttft_p99_s": round(_quantile(ttfts, 0.99), 4),
+        "tpot_p50_s": round(_quantile(tpots, 0.5), 5),
+        "hit_ratio": round(hit / query, 4) if query else 0.0,
+        "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
+        "imbalance": round(_max_over_mean(routed), 3),
+        "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
+        "peak_inflight_imbalance": round(_max_over_mean(peak), 3),
+        "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
+        "replicas": replicas,
+        "workload": workload.name,
+    }
+
+
+# -- CLI -----------------------------------------------------------------------------------
+
+_COLUMNS = (
+    ("policy", "policy", "{}"), ("ttft_mean_s", "TTFT mean s", "{:.3f}"),
+    ("ttft_p50_s", "p50", "{:.3f}"), ("ttft_p90_s", "p90", "{:.3f}"),
+    ("ttft_p99_s", "p99", "{:.3f}"), ("tpot_p50_s", "TPOT p50", "{:.4f}"),
+    ("hit_ratio", "hit", "{:.3f}"), ("ideal_hit_ratio", "ideal", "{:.3f}"),
+    ("imbalance", "req imb", "{:.2f}"), ("prefill_imbalance", "prefill imb", "{:.2f}"),
+    ("peak_inflight_imbalance", "peak imb", "{:.2f}"), ("requests", "requests", "{}"),
+    ("errors", "errors", "{}"), ("duration_s", "duration s", "{:.1f}"),
+)  # fmt: skip
+
+
+def format_table(reports: Sequence[dict[str, Any]]) -> str:
+    header = [title for _, title, _ in _COLUMNS]
+    rows = [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in reports]
+    widths = [max(len(h), *(len(row[j]) for row in rows)) for j, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake JSONL file or RAGPulse directory")
+    src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--policy", default="prefix_affinity", choices=[*ALL_POLICIES, "all"])
+    ap.add_argument("--limit", type=int, default=None, help="first N requests")
+    ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    ap.add_argument("--kv-capacity-tokens", type=int, default=DEFAULT_KV_CAPACITY_TOKENS)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    ap.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT)
+    ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
+    ap.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="synthetic workload parameter, e.g. n_tenants=150 (repeatable)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error("--replicas must be at least 1")
+    params: dict[str, Any] = {}
+    for kv in args.workload_param:
+        key, _, value = kv.partition("=")
+        params[key] = json.loads(value)
+    workload = load_workload(args.trace, args.workload, limit=args.limit, speedup=args.speedup,
+                             params=params)
+    policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
+    reports = []
+    for name in policies:
+        t0 = time.perf_counter()
+        report = simulate(workload, name, replicas=args.replicas,
+                          kv_capacity_tokens=args.kv_capacity_tokens, profile=args.profile,
+                          max_output=args.max_output, engine_block_tokens=args.engine_block_tokens)
+        report["wall_s"] = round(time.perf_counter() - t0, 2)
+        reports.append(report)
+    print(f"# {workload.name}: {len(workload.requests)} requests, {args.replicas} replicas, "
+          f"profile {args.profile}, KV {args.kv_capacity_tokens} tokens/replica, "
+          f"speedup {args.speedup}")
+    print(format_table(reports))
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else {"runs": reports}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
