@@ -51,9 +51,9 @@ from loadtests.traces import (  # noqa: E402
 )
 
 MODEL = "tiny"
-# 1,024 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
+# 1,000 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
 # about 30k distinct blocks, so 8 replicas (8k blocks) cannot hold them and caches evict.
-DEFAULT_KV_CAPACITY_TOKENS = 1024 * BLOCK_TOKENS
+DEFAULT_KV_CAPACITY_TOKENS = 512_000
 DEFAULT_PROFILE = "llama-8b-h200"
 DEFAULT_MAX_OUTPUT = 1024
 SAMPLE_INTERVAL_S = 0.5
@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap on max_tokens (default {DEFAULT_MAX_OUTPUT})")
     p.add_argument("--kv-capacity-tokens", type=int, default=DEFAULT_KV_CAPACITY_TOKENS,
                    help=f"simulated KV cache per replica (default {DEFAULT_KV_CAPACITY_TOKENS}"
-                   f" = {DEFAULT_KV_CAPACITY_TOKENS // BLOCK_TOKENS} blocks of {BLOCK_TOKENS})")
+                   f" = 1,000 blocks of {BLOCK_TOKENS} tokens)")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"simulated latency profile (default {DEFAULT_PROFILE})")
     p.add_argument("--time-scale", type=float, default=1.0,

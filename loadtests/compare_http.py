@@ -1,0 +1,182 @@
+"""Compare routers over HTTP in front of the same simulated replicas, in one run.
+
+Starts the simulated replicas once; then for each router (the gateway with round_robin,
+least_load, prefix_affinity, and the real SGLang router 0.3.2 with cache_aware at its default
+flags) it waits until the replicas are idle, resets their prefix caches, starts the router,
+replays the same requests through it with loadtests/replay.py, stops it, and finally prints a
+markdown table. Every figure comes from the client and the replicas' own /metrics.
+
+    python loadtests/compare_http.py --trace ../shared/traces/synthetic_trace.jsonl \
+        --replicas 8 --limit 1000 --speedup 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: `python loadtests/compare_http.py`
+    sys.path.insert(0, str(ROOT))
+
+from gateway import processes  # noqa: E402
+from loadtests import replay as rp  # noqa: E402
+
+SGLANG = "sglang_cache_aware"
+DEFAULT_ROUTERS = ("round_robin", "least_load", "prefix_affinity", SGLANG)
+
+
+def _post(url: str, timeout: float = 10.0) -> None:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def wait_idle(replica_urls: Sequence[str], deadline_s: float = 300.0) -> None:
+    """Wait until no replica runs or queues a request (the previous router's tail is done)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        busy = 0.0
+        for u in replica_urls:
+            m = rp.parse_metrics(_get(u.rstrip("/") + "/metrics"))
+            busy += m[rp.RUNNING] + m[rp.WAITING]
+        if busy == 0:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"replicas still busy ({busy:.0f} requests) after {deadline_s}s")
+        time.sleep(0.5)
+
+
+def reset_caches(replica_urls: Sequence[str]) -> None:
+    for u in replica_urls:
+        _post(u.rstrip("/") + "/reset_prefix_cache")
+
+
+def run_one(router: str, fleet: rp.Fleet, replica_urls: list[str],
+            requests: Sequence[rp.TraceRequest], opts: rp.ReplayOptions) -> dict[str, Any]:
+    """Start `router` in front of the replicas, replay, stop it; the replay's result."""
+    wait_idle(replica_urls)
+    reset_caches(replica_urls)
+    opts.label = router
+    if router == SGLANG:
+        from loadtests.baselines.sglang_router import free_port, start_sglang_router
+
+        handle = start_sglang_router(replica_urls, free_port(), "cache_aware",
+                                     log_path=fleet.log_dir / "sglang-router.log",
+                                     startup_timeout=120)
+        try:
+            data = rp.run_async(rp.replay(handle.url, replica_urls, requests, opts))
+        finally:
+            handle.stop()
+    else:
+        url, proc = rp.start_gateway(fleet, replica_urls, router, name=f"gateway-{router}")
+        try:
+            data = rp.run_async(rp.replay(url, replica_urls, requests, opts))
+        finally:
+            processes.stop_all([proc])
+            fleet.procs.remove(proc)
+    return rp.summarize(data, requests, router)
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_table(results: Sequence[dict[str, Any]]) -> str:
+    head = ("| router | requests | errors | TTFT mean s | TTFT p50 s | TTFT p90 s | TTFT p99 s "
+            "| TPOT p50 s | hit ratio | ideal | hit/ideal | imbalance | prefill imb. "
+            "| peak in-flight imb. | duration s |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        hit, ideal = r.get("hit_ratio"), r.get("ideal_hit_ratio")
+        rel = hit / ideal if hit is not None and ideal else None
+        lines.append(
+            f"| {r['policy']} | {r['requests']} | {r['errors']} | {_f(r['ttft_mean_s'])} "
+            f"| {_f(r['ttft_p50_s'])} | {_f(r['ttft_p90_s'])} | {_f(r['ttft_p99_s'])} "
+            f"| {_f(r['tpot_p50_s'], 4)} | {_f(hit)} | {_f(ideal)} | {_f(rel, 2)} "
+            f"| {_f(r['imbalance'], 2)} | {_f(r['prefill_imbalance'], 2)} "
+            f"| {_f(r['peak_inflight_imbalance'], 2)} | {_f(r['duration_s'], 1)} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
+    src.add_argument("--workload", choices=sorted(rp.SYNTHETIC), help="a synthetic workload")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
+                   help=f"comma-separated; gateway policies or {SGLANG}")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--max-output", type=int, default=rp.DEFAULT_MAX_OUTPUT)
+    p.add_argument("--kv-capacity-tokens", type=int, default=rp.DEFAULT_KV_CAPACITY_TOKENS)
+    p.add_argument("--profile", default=rp.DEFAULT_PROFILE)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--output", help="append each router's JSON result to this JSONL file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    requests = rp.load_requests(args.trace, args.workload, args.limit, args.speedup)
+    source = args.workload or Path(str(args.trace).rstrip("/")).name
+    fleet = rp.Fleet()
+    results: list[dict[str, Any]] = []
+    try:
+        with rp.sigterm_as_interrupt():
+            urls = rp.start_sims(fleet, args.replicas, args.kv_capacity_tokens, args.profile,
+                                 args.time_scale)
+            rp.log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
+                   f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
+                   f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
+            for router in routers:
+                opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout)
+                t = time.monotonic()
+                try:
+                    res = run_one(router, fleet, urls, requests, opts)
+                except (RuntimeError, FileNotFoundError, OSError) as exc:
+                    rp.log(f"{router}: FAILED: {exc}")
+                    res = {"policy": router, "failed": str(exc)[:500]}
+                    results.append(res)
+                    continue
+                res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
+                           profile=args.profile, time_scale=args.time_scale,
+                           speedup=args.speedup, max_output=args.max_output, source=source)
+                rp.log(f"{router}: done in {time.monotonic() - t:.0f} s; TTFT p50 "
+                       f"{_f(res['ttft_p50_s'])} s, hit {_f(res['hit_ratio'])}")
+                results.append(res)
+                if args.output:
+                    with open(args.output, "a") as f:
+                        f.write(json.dumps(res) + "\n")
+    except KeyboardInterrupt:
+        rp.log("interrupted; stopping")
+        return 130
+    finally:
+        fleet.stop()
+    ok = [r for r in results if "failed" not in r]
+    print(f"\n{source}: {len(requests)} requests, speedup {args.speedup}, {args.replicas} "
+          f"replicas ({args.profile}, time scale {args.time_scale}, "
+          f"{args.kv_capacity_tokens} KV tokens each)\n")
+    print(markdown_table(ok), end="")
+    for r in results:
+        if "failed" in r:
+            print(f"\n{r['policy']}: failed: {r['failed']}")
+    return 0 if len(ok) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
