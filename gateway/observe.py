@@ -26,8 +26,14 @@ class Observer:
 
     def decided(self, pool: str, policy: str, cls: str, d: Decision) -> None:
         self._child(self.m.decisions, pool, policy, d.reason).inc()
-        self.stats.decisions.setdefault(pool, Counter())[d.reason] += 1
-        self.stats.classes.setdefault(pool, Counter())[cls] += 1
+        decisions = self.stats.decisions.get(pool)  # not setdefault: no Counter() per call
+        if decisions is None:
+            decisions = self.stats.decisions[pool] = Counter()
+        decisions[d.reason] += 1
+        classes = self.stats.classes.get(pool)
+        if classes is None:
+            classes = self.stats.classes[pool] = Counter()
+        classes[cls] += 1
         if d.total_blocks:
             missed = d.total_blocks - d.matched_blocks
             self._child(self.m.prefix_blocks, pool, d.replica, "hit").inc(d.matched_blocks)

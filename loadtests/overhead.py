@@ -96,13 +96,16 @@ def gateway_config(urls: list[str], port: int, policy: str = "prefix_affinity",
 
 
 def start_gateway(urls: list[str], log_dir: Path, name: str = "gateway",
-                  internal_stream: bool = True) -> tuple[subprocess.Popen, str]:
+                  internal_stream: bool = True,
+                  root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """A gateway process on a generated config; `root` picks the checkout it runs from."""
     port = processes.free_ports(1)[0]
     cfg = log_dir / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(gateway_config(urls, port, internal_stream=internal_stream)))
-    proc = processes.spawn(pinned([sys.executable, "-m", "gateway.cli", "serve", "--config",
+    # -P: import the gateway from `root` (PYTHONPATH), not from the current directory.
+    proc = processes.spawn(pinned([sys.executable, "-P", "-m", "gateway.cli", "serve", "--config",
                                    str(cfg), "--log-level", "warning"], SERVER_CORE),
-                           str(log_dir / f"{name}.log"), env={"PYTHONPATH": str(ROOT)})
+                           str(log_dir / f"{name}.log"), env={"PYTHONPATH": str(root)})
     url = f"http://127.0.0.1:{port}"
     processes.wait_healthy([url], [proc], deadline_s=30, path="/ready")
     return proc, url

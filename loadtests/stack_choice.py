@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--gateways-only", action="store_true",
+                    help="skip the four minimal proxies (for a gateway A/B with --baseline-root)")
+    ap.add_argument("--baseline-root", type=Path,
+                    help="also run the gateway from this checkout (e.g. a git worktree of an "
+                    "older commit), interleaved with the current one")
     ap.add_argument("--serve", nargs=4, metavar=("PORT", "URLS", "CLIENT", "SERVER"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = [stub]
         targets: dict[str, tuple[str, int]] = {}
         try:
-            for client, server in VARIANTS:
+            for client, server in [] if args.gateways_only else VARIANTS:
                 port = processes.free_ports(1)[0]
                 p = processes.spawn(pinned([sys.executable, __file__, "--serve", str(port),
                                             ",".join(urls), client, server], SERVER_CORE),
@@ -138,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             gw, gw_url = start_gateway(urls, log_dir)
             procs.append(gw)
             targets["prefix-gateway"] = (gw_url, gw.pid)
+            if args.baseline_root:
+                base, base_url = start_gateway(urls, log_dir, "baseline",
+                                               root=args.baseline_root.resolve())
+                procs.append(base)
+                targets["prefix-gateway baseline"] = (base_url, base.pid)
             for stream in (False, True):
                 bodies = request_bodies(stream=stream)
                 mode = "stream" if stream else "non-stream"
