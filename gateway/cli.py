@@ -58,15 +58,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from gateway import processes
-    from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS, default_config
+    from gateway.defaults import default_config
 
+    n_rt, n_bt = args.realtime_replicas, args.batch_replicas
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="prefix-gateway-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs: list = []
+    engines: list = []
     try:
         if args.engine == "sim":
-            ports = processes.free_ports(REALTIME_REPLICAS + BATCH_REPLICAS)
-            kinds = ["vllm"] * REALTIME_REPLICAS + ["trtllm"] * BATCH_REPLICAS
+            ports = processes.free_ports(n_rt + n_bt)
+            kinds = ["vllm"] * n_rt + ["trtllm"] * n_bt
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for i, (port, kind) in enumerate(zip(ports, kinds, strict=True)):
                 cmd = [processes.python(), "-m", "backends.sim", "--port", str(port),
@@ -74,33 +76,35 @@ def cmd_up(args: argparse.Namespace) -> int:
                        "--time-scale", str(args.time_scale), "--name", f"sim-{kind}-{i}"]
                 procs.append(processes.spawn(cmd, str(log_dir / f"sim-{i}.log")))
             processes.wait_healthy(urls, procs, deadline_s=60)
-            realtime, batch = urls[:REALTIME_REPLICAS], urls[REALTIME_REPLICAS:]
-            config = default_config(realtime, batch, port=args.port, model=args.model)
-            print(f"prefix-gateway: simulated replicas up ({args.profile}, time scale "
-                  f"{args.time_scale}); logs in {log_dir}", flush=True)
+            config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model)
+            print(f"prefix-gateway: {n_rt + n_bt} simulated replicas up ({args.profile}, time "
+                  f"scale {args.time_scale}); logs in {log_dir}", flush=True)
         else:
-            from backends.vllm_cpu.launch import start_replicas
+            from backends.vllm_cpu.launch import ensure_model, start_replicas
 
-            handles = start_replicas(REALTIME_REPLICAS + BATCH_REPLICAS,
-                                     model_dir=args.model_dir, base_port=args.engine_base_port,
-                                     served_model_name=args.model, log_dir=str(log_dir))
-            procs_h = handles
-            urls = [h.url for h in handles]
-            config = default_config(urls[:REALTIME_REPLICAS], urls[REALTIME_REPLICAS:],
-                                    port=args.port, model=args.model, batch_engine="vllm")
+            model_dir = args.model_dir or ensure_model()
+            print(f"prefix-gateway: starting {n_rt + n_bt} vLLM CPU replicas of {model_dir} "
+                  "(about a minute each on two cores)...", flush=True)
+            engines = start_replicas(n_rt + n_bt, model_dir=model_dir,
+                                     base_port=args.engine_base_port,
+                                     served_model_name=args.model, log_dir=str(log_dir),
+                                     kv_cache_gib=args.kv_cache_gib)
+            urls = [h.url for h in engines]
+            # Both pools are vLLM here: trtllm-serve cannot run without an NVIDIA GPU.
+            config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,
+                                    batch_engine="vllm")
             print(f"prefix-gateway: {len(urls)} vLLM CPU replicas up; logs in {log_dir}",
                   flush=True)
         print(f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model {args.model!r}; "
               "pools realtime and batch; header x-traffic-class: batch for batch)", flush=True)
         run_gateway(config, access_log=args.access_log, log_level=args.log_level)
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError, ConfigError) as exc:
         print(f"prefix-gateway up: {exc}", file=sys.stderr)
         return 1
     finally:
         processes.stop_all(procs)
-        if args.engine != "sim" and "procs_h" in locals():
-            for h in procs_h:
-                h.stop()
+        for engine in engines:
+            engine.stop()
     return 0
 
 
@@ -158,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency profile of simulated replicas")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply simulated latencies (0.1 = ten times faster)")
-    p.add_argument("--model-dir", default=None, help="vllm-cpu: model directory")
+    p.add_argument("--realtime-replicas", type=int, default=3, help="replicas in pool realtime")
+    p.add_argument("--batch-replicas", type=int, default=2, help="replicas in pool batch")
+    p.add_argument("--model-dir", default=None,
+                   help="vllm-cpu: model directory (default: a tiny local model, made if missing)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu: KV cache per replica")
     p.add_argument("--engine-base-port", type=int, default=8100, help="vllm-cpu: first port")
     p.add_argument("--log-dir", help="where replica logs go (default: a temporary directory)")
     common(p)
