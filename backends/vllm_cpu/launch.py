@@ -140,8 +140,9 @@ class ReplicaProcess:
     command: list[str]
     popen: subprocess.Popen = field(repr=False)
     started_s: float = 0.0  # seconds from spawn to the first 200 from /health
-    kv_cache_tokens: int | None = None  # "CPU KV cache size: N tokens" from the log
-    block_size: int | None = None
+    kv_cache_tokens: int | None = None  # vllm:cache_config_info kv_cache_size_tokens
+    block_size: int | None = None  # tokens per KV block (cache_config_info block_size)
+    num_kv_blocks: int | None = None  # cache_config_info num_gpu_blocks
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -158,10 +159,8 @@ class ReplicaProcess:
         pids = _descendants(self.pid) | {self.pid}
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and _live(pids | _group_members(self.pid)):
             time.sleep(0.1)
@@ -249,21 +248,37 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 def parse_startup_log(path: Path) -> dict:
-    """KV-cache facts the startup log states: kv_cache_tokens, block_size (when logged)."""
+    """KV cache size the startup log states ("CPU KV cache size: 65,536 tokens, ...")."""
     import re
 
-    out: dict = {}
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return out
+        return {}
     m = re.search(r"KV cache size: ([\d,]+) tokens", text)
-    if m:
-        out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
-    m = re.search(r"block_size=(\d+)", text)
-    if m:
-        out["block_size"] = int(m.group(1))
-    return out
+    return {"kv_cache_tokens": int(m.group(1).replace(",", ""))} if m else {}
+
+
+def cache_config_info(url: str, timeout: float = 5.0) -> dict[str, str]:
+    """Labels of the ``vllm:cache_config_info`` gauge at ``url``/metrics ({} if absent)."""
+    import re
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+            text = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return {}
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line))
+    return {}
+
+
+def _int_or_none(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
 
 
 def start_replicas(
@@ -278,6 +293,7 @@ def start_replicas(
     *,
     num_kv_blocks: int | None = None,
     block_size: int | None = None,
+    enforce_eager: bool = False,
     cpu_bind: list[str | None] | str | None = "split",
     python: str | None = None,
     host: str = "127.0.0.1",
@@ -293,7 +309,10 @@ def start_replicas(
     * ``num_kv_blocks``: if set, ``--num-gpu-blocks-override`` caps the cache at exactly
       that many blocks (works on the CPU build); size ``kv_cache_gib`` to cover them.
     * ``block_size``: tokens per KV block (``--block-size``; the CPU default is 128; keep it
-      a multiple of 32).
+      a multiple of 32). vLLM refuses to start unless ``(num_kv_blocks - 1) * block_size >=
+      max_model_len`` (one block is the null block); this is checked here first.
+    * ``enforce_eager``: ``--enforce-eager`` skips torch.compile: start-up about 23 s instead
+      of 40-63 s for one replica, prefill about 10-30 % slower (docs/vllm-cpu.md).
     * ``cpu_bind``: ``"split"`` (default) gives each of several replicas its own core(s)
       via ``VLLM_CPU_OMP_THREADS_BIND``; ``None`` leaves vLLM's "auto"; or a list with one
       value per replica (a cpu list like "0-1", or "nobind").
@@ -305,6 +324,14 @@ def start_replicas(
     """
     if n < 1:
         raise ValueError("n must be >= 1")
+    if num_kv_blocks is not None:
+        bs = block_size or 128
+        if (num_kv_blocks - 1) * bs < max_model_len:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} x block_size={bs} cannot hold one request of "
+                f"max_model_len={max_model_len} (+1 null block): need at least "
+                f"{math.ceil(max_model_len / bs) + 1} blocks, or lower max_model_len"
+            )
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} holds no model (run ensure_model())")
@@ -341,6 +368,9 @@ def start_replicas(
             env["DO_NOT_TRACK"] = "1"
             env["HF_HUB_OFFLINE"] = "1"  # no model hub here; fail fast instead of retrying
             env["TRANSFORMERS_OFFLINE"] = "1"
+            # Inductor's cache defaults to /tmp/torchinductor_$USER; keep it next to the venv
+            # so CI can cache it (vLLM's own compile cache is ~/.cache/vllm, VLLM_CACHE_ROOT).
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_ROOT / "torchinductor"))
             cmd = [
                 py, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(model_dir),
@@ -359,6 +389,8 @@ def start_replicas(
                 cmd += ["--num-gpu-blocks-override", str(int(num_kv_blocks))]
             if block_size is not None:
                 cmd += ["--block-size", str(int(block_size))]
+            if enforce_eager:
+                cmd += ["--enforce-eager"]
             if binds[i] is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
                 if binds[i] == "nobind":
@@ -393,9 +425,11 @@ def start_replicas(
                     )
                 if _http_status(r.url + "/health", 2.0) == 200:
                     r.started_s = time.monotonic() - t_spawn[i]
-                    facts = parse_startup_log(r.log_path)
-                    r.kv_cache_tokens = facts.get("kv_cache_tokens")
-                    r.block_size = facts.get("block_size")
+                    info = cache_config_info(r.url)
+                    r.kv_cache_tokens = _int_or_none(info.get("kv_cache_size_tokens")) or (
+                        parse_startup_log(r.log_path).get("kv_cache_tokens"))
+                    r.block_size = _int_or_none(info.get("block_size"))
+                    r.num_kv_blocks = _int_or_none(info.get("num_gpu_blocks"))
                     pending.discard(i)
             if pending and time.monotonic() > deadline:
                 i = min(pending)
@@ -432,8 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="cap the KV cache at exactly this many blocks (--num-gpu-blocks-override)")
-    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (CPU default 128)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV block (CPU default 128)")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--eager", action="store_true",
+                    help="--enforce-eager: faster start-up, somewhat slower prefill")
     ap.add_argument("--cpu-bind", default="split",
                     help='"split" (own core per replica), "auto" (vLLM default), "nobind", or '
                          'per-replica cpu lists separated by "/", e.g. "0/1"')
@@ -473,14 +510,17 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, log_dir=args.log_dir,
             num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             cpu_bind=cpu_bind, startup_timeout=args.startup_timeout,
+            enforce_eager=args.eager,
         )
         for r in replicas:
             print(f"[launch] replica {r.index}: {r.url} pid {r.pid} up in {r.started_s:.1f} s, "
-                  f"KV cache {r.kv_cache_tokens} tokens, log {r.log_path}", flush=True)
+                  f"KV cache {r.kv_cache_tokens} tokens = {r.num_kv_blocks} blocks x "
+                  f"{r.block_size}, log {r.log_path}", flush=True)
         if args.json:
             print(json.dumps([{"url": r.url, "pid": r.pid, "log": str(r.log_path),
-                               "kv_cache_tokens": r.kv_cache_tokens} for r in replicas]),
-                  flush=True)
+                               "kv_cache_tokens": r.kv_cache_tokens,
+                               "num_kv_blocks": r.num_kv_blocks, "block_size": r.block_size}
+                              for r in replicas]), flush=True)
         print("[launch] URLs: " + " ".join(r.url for r in replicas), flush=True)
         print("[launch] running; Ctrl-C or SIGTERM stops them", flush=True)
         while True:
