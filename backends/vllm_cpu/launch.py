@@ -157,6 +157,8 @@ class ReplicaProcess:
         Returns the API server's exit code.
         """
         pids = _descendants(self.pid) | {self.pid}
+        if self.popen.poll() is not None and not _live(pids) and not _group_members(self.pid):
+            return self.popen.returncode  # all gone already: never signal a reused pgid
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -167,8 +169,9 @@ class ReplicaProcess:
         for pid in _live(pids | _group_members(self.pid)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        if _group_members(self.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5.0)
         return self.popen.returncode
@@ -294,6 +297,7 @@ def start_replicas(
     num_kv_blocks: int | None = None,
     block_size: int | None = None,
     enforce_eager: bool = False,
+    prompt_tokens_details: bool = True,
     cpu_bind: list[str | None] | str | None = "split",
     python: str | None = None,
     host: str = "127.0.0.1",
@@ -313,6 +317,8 @@ def start_replicas(
       max_model_len`` (one block is the null block); this is checked here first.
     * ``enforce_eager``: ``--enforce-eager`` skips torch.compile: start-up about 23 s instead
       of 40-63 s for one replica, prefill about 10-30 % slower (docs/vllm-cpu.md).
+    * ``prompt_tokens_details``: ``--enable-prompt-tokens-details``, so responses carry
+      ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hit of that request).
     * ``cpu_bind``: ``"split"`` (default) gives each of several replicas its own core(s)
       via ``VLLM_CPU_OMP_THREADS_BIND``; ``None`` leaves vLLM's "auto"; or a list with one
       value per replica (a cpu list like "0-1", or "nobind").
@@ -391,6 +397,8 @@ def start_replicas(
                 cmd += ["--block-size", str(int(block_size))]
             if enforce_eager:
                 cmd += ["--enforce-eager"]
+            if prompt_tokens_details:
+                cmd += ["--enable-prompt-tokens-details"]
             if binds[i] is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
                 if binds[i] == "nobind":
@@ -448,8 +456,9 @@ def start_replicas(
 def stop_replicas(replicas: list[ReplicaProcess], timeout: float = 20.0) -> None:
     """Stop all replicas (SIGTERM to every group first, then wait, then SIGKILL)."""
     for r in replicas:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(r.pid, signal.SIGTERM)
+        if r.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(r.pid, signal.SIGTERM)
     for r in replicas:
         r.stop(timeout=timeout)
 
