@@ -34,9 +34,22 @@ class RoutingSettings(_Strict):
     block_chars: int = Field(256, ge=16, le=65536, description="characters per hashed block")
     chars_per_token: float = Field(4.0, gt=0, description="to estimate tokens from characters")
     load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c")
-    load_weight: float = Field(1.0, ge=0.0, description="weight of queued prefill in the cost")
+    load_allowance: int = Field(
+        4, ge=0, description="prefix_affinity: in-flight requests allowed above ceil(c x mean)"
+    )
+    load_weight: float = Field(0.5, ge=0.0, description="weight of a replica's queue in the cost")
+    inflight_tokens: float = Field(
+        256.0, ge=0.0, description="queue tokens counted per request in flight on a replica"
+    )
     slack_fraction: float = Field(0.25, ge=0.0)
     slack_tokens: float = Field(256.0, ge=0.0)
+    tie_tokens: float = Field(
+        512.0, ge=0.0, description="cost difference within which equal matches count as a tie"
+    )
+    balance_horizon: int = Field(
+        1000, ge=0, description="decisions over which ties go to the replica with the least "
+        "recent prefill (0: ties go to the rendezvous owner)"
+    )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )

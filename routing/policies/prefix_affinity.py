@@ -19,15 +19,25 @@ from routing.types import (
 class PrefixAffinity(Policy):
     """Longest cached prefix first, but never onto a replica that is too busy to benefit.
 
-    Three steps, each guarding against a failure seen in real routers:
-    1. Bounded load: only replicas whose in-flight count stays within ceil(c * mean) are
-       eligible, so a hot system prompt spreads over a few replicas instead of melting one.
-    2. Cost: each eligible replica's estimated prefill work if chosen, its own uncached tokens
-       plus `load_weight` times the uncached prefill already queued there. Replicas within
-       `slack` of the cheapest stay candidates: cache hits are worth a little queueing, not a lot.
-    3. Among those, the longest matched prefix wins; ties (notably a prefix nobody holds yet)
-       go to the rendezvous owner of the prefix key, so independent gateways agree on a cold
-       prefix's home and distinct cold prefixes spread evenly from their first request.
+    Four steps, each guarding against a failure seen in real routers or in the simulator
+    (docs/routing.md has the figures behind every default):
+    1. Bounded load: only replicas whose in-flight count stays within
+       ceil(c * mean) + `load_allowance` are eligible, so a hot system prompt spreads over a
+       few replicas instead of melting one. The allowance keeps the bound from bouncing
+       requests off their cache at small counts (2 in flight per replica gives a bound of 3).
+    2. Cost, in prompt tokens: the request's uncached tokens on the replica (from the prefix
+       index), plus `load_weight` times the weighted queue there, where the queue is the
+       uncached prefill already sent and not yet past first token plus `inflight_tokens` per
+       request in flight (decoding sequences lengthen every engine step). A weight below 1
+       values a hit above an equal amount of queue: a miss is work the whole fleet pays for,
+       which the request's own TTFT does not see.
+    3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
+       among them wins: a hit is worth a little queueing, not a lot.
+    4. Among equally long matches within `tie_tokens` of the cheapest of them, the replica that
+       recently received the least uncached prefill wins (with `balance_horizon` > 0, a
+       decaying per-replica sum), else the rendezvous owner of the prefix key. Balancing keeps
+       prefill work even when cold prompts vary in length; rendezvous makes independent
+       gateways agree on a cold prefix's home.
     """
 
     name = "prefix_affinity"
@@ -35,9 +45,13 @@ class PrefixAffinity(Policy):
     def __init__(
         self,
         load_factor: float = 1.25,
-        load_weight: float = 1.0,
+        load_weight: float = 0.5,
         slack_fraction: float = 0.25,
         slack_tokens: float = 256.0,
+        inflight_tokens: float = 256.0,
+        tie_tokens: float = 512.0,
+        load_allowance: int = 0,
+        balance_horizon: int = 1000,
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (below 1 no replica may take a request)")
@@ -45,6 +59,17 @@ class PrefixAffinity(Policy):
         self.load_weight = load_weight
         self.slack_fraction = slack_fraction
         self.slack_tokens = slack_tokens
+        self.inflight_tokens = inflight_tokens
+        self.tie_tokens = tie_tokens
+        self.load_allowance = max(0, load_allowance)
+        self.balance_horizon = balance_horizon
+        # name -> (recent uncached prefill sent there, decision count when last updated)
+        self._recent: dict[str, tuple[float, int]] = {}
+        self._decisions = 0
+
+    def _recent_work(self, name: str) -> float:
+        value, at = self._recent.get(name, (0.0, self._decisions))
+        return value * (1.0 - 1.0 / self.balance_horizon) ** (self._decisions - at)
 
     def choose(
         self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
@@ -52,9 +77,11 @@ class PrefixAffinity(Policy):
         hashes = request.hashes
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
-        bound = load_bound(replicas, self.load_factor)
+        bound = load_bound(replicas, self.load_factor) + self.load_allowance
         key = request.key
         w = self.load_weight
+        per_request = self.inflight_tokens
+        self._decisions += 1
 
         # (cost, matched, weight, uncached, eligible, name)
         rows: list[tuple[float, int, int, float, bool, str]] = []
@@ -64,7 +91,7 @@ class PrefixAffinity(Policy):
             if matched > best_match:
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
-            cost = uncached + w * r.pending_prefill_tokens
+            cost = uncached + w * (r.pending_prefill_tokens + per_request * r.inflight)
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible, r.name))
 
@@ -76,11 +103,21 @@ class PrefixAffinity(Policy):
         min_cost = min(row[0] for row in eligible_rows)
         slack = self.slack_fraction * prompt_tokens + self.slack_tokens
         near = [row for row in eligible_rows if row[0] <= min_cost + slack]
-        chosen = max(near, key=lambda row: (row[1], row[2]))
+        top = max(row[1] for row in near)
+        longest = [row for row in near if row[1] == top]
+        cheapest = min(row[0] for row in longest)
+        ties = [row for row in longest if row[0] <= cheapest + self.tie_tokens]
+        if self.balance_horizon > 0 and len(ties) > 1:
+            chosen = min(ties, key=lambda row: (self._recent_work(row[5]), -row[2]))
+        else:
+            chosen = max(ties, key=lambda row: row[2])
+        if self.balance_horizon > 0:
+            self._recent[chosen[5]] = (self._recent_work(chosen[5]) + chosen[3], self._decisions)
 
         if best_match == 0:
-            owner = max(rows, key=lambda row: row[2])
-            reason = REASON_COLD if chosen is owner else REASON_OVERFLOW
+            # Nobody holds any of it: cold, wherever it goes (its rendezvous owner, or the
+            # replica with the least recent prefill when balancing).
+            reason = REASON_COLD
         else:
             reason = REASON_AFFINITY if chosen[1] >= best_match else REASON_OVERFLOW
 
