@@ -28,6 +28,9 @@ Facts this relies on (measured; docs/vllm-cpu.md):
   the CPU build's default block size is 128 tokens;
 * the API server spawns an EngineCore child process: each replica gets its own session
   (process group) and ``stop()`` signals the whole group;
+* replicas run with ``--enforce-eager`` by default (start-up about 25 s instead of 40-70 s;
+  vLLM 0.32.0's AOT compile cache does not load back here, so compiled starts always
+  recompile); ``enforce_eager=False`` / ``--compile`` restores vLLM's default;
 * ``VLLM_CPU_OMP_THREADS_BIND=auto`` on a 2-core machine reserves one core for the frontend
   and binds the engine to the other one, and *every* replica picks the same core: with more
   than one replica this module binds replica *i* to its own core(s) instead.
@@ -296,7 +299,7 @@ def start_replicas(
     *,
     num_kv_blocks: int | None = None,
     block_size: int | None = None,
-    enforce_eager: bool = False,
+    enforce_eager: bool = True,
     prompt_tokens_details: bool = True,
     cpu_bind: list[str | None] | str | None = "split",
     python: str | None = None,
@@ -315,8 +318,10 @@ def start_replicas(
     * ``block_size``: tokens per KV block (``--block-size``; the CPU default is 128; keep it
       a multiple of 32). vLLM refuses to start unless ``(num_kv_blocks - 1) * block_size >=
       max_model_len`` (one block is the null block); this is checked here first.
-    * ``enforce_eager``: ``--enforce-eager`` skips torch.compile: start-up about 23 s instead
-      of 40-63 s for one replica, prefill about 10-30 % slower (docs/vllm-cpu.md).
+    * ``enforce_eager`` (default True): ``--enforce-eager`` skips torch.compile. Start-up is
+      about 25 s per replica instead of 40-70 s (vLLM 0.32.0's AOT compile cache fails to
+      load here, so every compiled start recompiles), for about 5-15 % slower prefill; the
+      cached/uncached TTFT ratio stays about 10x at 2,000 tokens (docs/vllm-cpu.md).
     * ``prompt_tokens_details``: ``--enable-prompt-tokens-details``, so responses carry
       ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hit of that request).
     * ``cpu_bind``: ``"split"`` (default) gives each of several replicas its own core(s)
@@ -374,9 +379,6 @@ def start_replicas(
             env["DO_NOT_TRACK"] = "1"
             env["HF_HUB_OFFLINE"] = "1"  # no model hub here; fail fast instead of retrying
             env["TRANSFORMERS_OFFLINE"] = "1"
-            # Inductor's cache defaults to /tmp/torchinductor_$USER; keep it next to the venv
-            # so CI can cache it (vLLM's own compile cache is ~/.cache/vllm, VLLM_CACHE_ROOT).
-            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_ROOT / "torchinductor"))
             cmd = [
                 py, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(model_dir),
@@ -478,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV block (CPU default 128)")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--eager", action="store_true",
-                    help="--enforce-eager: faster start-up, somewhat slower prefill")
+    ap.add_argument("--compile", action="store_true",
+                    help="use torch.compile (vLLM's default) instead of --enforce-eager: "
+                         "slower start-up (40-70 s), somewhat faster prefill")
     ap.add_argument("--cpu-bind", default="split",
                     help='"split" (own core per replica), "auto" (vLLM default), "nobind", or '
                          'per-replica cpu lists separated by "/", e.g. "0/1"')
@@ -509,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         stopping["sig"] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler of its own.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     replicas: list[ReplicaProcess] = []
     try:
         print(f"[launch] starting {args.replicas} replica(s) of {args.model_dir} ...", flush=True)
@@ -519,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, log_dir=args.log_dir,
             num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             cpu_bind=cpu_bind, startup_timeout=args.startup_timeout,
-            enforce_eager=args.eager,
+            enforce_eager=not args.compile,
         )
         for r in replicas:
             print(f"[launch] replica {r.index}: {r.url} pid {r.pid} up in {r.started_s:.1f} s, "
@@ -545,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         if replicas:
             print("[launch] stopping replicas", flush=True)
             stop_replicas(replicas)
