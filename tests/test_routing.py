@@ -153,3 +153,45 @@ def test_queued_prefill_pushes_new_work_elsewhere() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         build_policy("nope")
+
+
+def test_requests_in_flight_count_as_queue() -> None:
+    router = make_router(load_factor=100.0, inflight_tokens=256.0, load_weight=0.5)
+    text = chat_text(system_prompt(4), "a")
+    owner = router.route(router.request_from_text(text), idle()).replica
+    # Same queued prefill everywhere, but the owner is busy decoding 40 sequences: a new cold
+    # prompt goes elsewhere, since every engine step there is longer.
+    views = [ReplicaView(name=n, inflight=40 if n == owner else 0) for n in REPLICAS]
+    for i in range(10):
+        d = router.route(router.request_from_text(chat_text(system_prompt(300 + i), "b")), views)
+        assert d.replica != owner
+
+
+def test_cold_prompts_of_uneven_length_balance_prefill() -> None:
+    router = make_router()
+    sent: Counter[str] = Counter()
+    for i in range(64):
+        # Lengths from 500 to 8,000 characters: rendezvous alone balances counts, not tokens.
+        req = router.request_from_text(chat_text(system_prompt(400 + i, 500 + (i * 997) % 7500),
+                                                 "q"))
+        d = router.route(req, idle())
+        assert d.reason == REASON_COLD
+        sent[d.replica] += int(d.uncached_tokens)
+    mean = sum(sent.values()) / len(REPLICAS)
+    assert max(sent.values()) <= 1.15 * mean
+
+
+def test_load_allowance_lets_a_home_hold_more_than_the_bound() -> None:
+    router = make_router(load_factor=1.0, load_allowance=3, load_weight=0.0,
+                         inflight_tokens=0.0)
+    load = LoadTracker()
+    sys_prompt = system_prompt(8)
+    served = Counter()
+    for u in range(8):
+        views = [load.view(n) for n in REPLICAS]
+        d = router.route(router.request_from_text(chat_text(sys_prompt, f"u{u}")), views)
+        assert load.inflight.get(d.replica, 0) + 1 <= load_bound(views, 1.0) + 3
+        load.dispatched(d.replica, d.uncached_tokens)
+        served[d.replica] += 1
+    # Without the allowance the home would hold at most ceil(8 / 4) = 2 of them.
+    assert max(served.values()) >= 4

@@ -1,0 +1,85 @@
+"""The offline simulator: report shape, determinism, and the orderings routing must produce."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.reference_policies import SGLangCacheAware
+from loadtests.simulate import REPORT_KEYS, Workload, load_workload, main, simulate
+from loadtests.traces import tenants_workload
+from routing import Router
+from routing.types import ReplicaView
+
+
+@pytest.fixture(scope="module")
+def tenants() -> Workload:
+    # 150 tenants x 6,144-token contexts: 0.9M tokens of KV demand, more than one replica's
+    # 512k-token cache, so where a request goes decides whether it hits.
+    return load_workload(workload="tenants", limit=200)
+
+
+def run(workload: Workload, policy: str) -> dict:
+    return simulate(workload, policy, replicas=4)
+
+
+def test_report_has_every_key_and_serves_every_request(tenants: Workload) -> None:
+    report = run(tenants, "prefix_affinity")
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["requests"] == 200
+    assert report["errors"] == 0
+    assert report["replicas"] == 4
+    assert report["ttft_p50_s"] <= report["ttft_p90_s"] <= report["ttft_p99_s"]
+    assert 0.0 < report["hit_ratio"] <= 1.0
+    assert report["imbalance"] >= 1.0
+
+
+def test_runs_are_deterministic(tenants: Workload) -> None:
+    assert run(tenants, "prefix_affinity") == run(tenants, "prefix_affinity")
+    assert run(tenants, "oracle") == run(tenants, "oracle")
+
+
+def test_prefix_affinity_hits_more_than_round_robin(tenants: Workload) -> None:
+    affinity = run(tenants, "prefix_affinity")
+    blind = run(tenants, "round_robin")
+    assert affinity["hit_ratio"] > blind["hit_ratio"] + 0.1
+    assert affinity["ttft_mean_s"] < blind["ttft_mean_s"]
+
+
+@pytest.mark.parametrize("policy", ["oracle", "prefix_affinity", "sglang_cache_aware"])
+def test_no_policy_beats_the_ideal_hit_ratio(tenants: Workload, policy: str) -> None:
+    report = run(tenants, policy)
+    assert report["hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
+
+
+def test_engine_hit_ratio_counts_only_real_reuse() -> None:
+    # Every request has its own context: nothing to reuse, whatever the policy.
+    unique = Workload("unique", tenants_workload(n_tenants=20_000, system_blocks=2,
+                                                  n_requests=100, seed=9))
+    report = simulate(unique, "prefix_affinity", replicas=2)
+    assert report["ideal_hit_ratio"] < 0.05
+    assert report["hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
+
+
+def test_cli_prints_json_on_the_last_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["--workload", "hot_prompt", "--limit", "50", "--replicas", "2", "--json"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads(last)
+    assert report["policy"] == "prefix_affinity"
+    assert report["requests"] == 50
+
+
+def test_sglang_emulation_pins_a_prefix_then_balances_when_imbalanced() -> None:
+    policy = SGLangCacheAware()
+    router = Router(["w0", "w1", "w2"], policy, block_chars=64)
+    text = "s" * 2000
+    req = router.request_from_text(text + "q1")
+    first = router.route(req, [ReplicaView(n) for n in ("w0", "w1", "w2")]).replica
+    # Cold prefixes go to the least-loaded worker, ties to the first: SGLang's min_by_key.
+    assert first == "w0"
+    again = router.route(router.request_from_text(text + "q2"),
+                         [ReplicaView("w0", inflight=5), ReplicaView("w1"), ReplicaView("w2")])
+    assert again.replica == "w0"  # match rate above 0.3 wins while the pool is balanced
+    skewed = [ReplicaView("w0", inflight=100), ReplicaView("w1", inflight=10), ReplicaView("w2")]
+    assert router.route(router.request_from_text(text + "q3"), skewed).replica == "w2"
