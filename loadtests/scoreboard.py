@@ -1,0 +1,189 @@
+"""The simulated routing scoreboard: every workload x fleet size x load x policy, as markdown.
+
+Each table is one `loadtests/simulate.py` command (printed above it), so every figure in
+docs/routing.md comes from a committed command:
+
+    python loadtests/scoreboard.py                 # everything (about 15 min on 2 cores)
+    python loadtests/scoreboard.py --only tenants  # scenarios whose name contains "tenants"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtests.simulate import (
+    ALL_POLICIES,
+    DEFAULT_KV_CAPACITY_TOKENS,
+    DEFAULT_PROFILE,
+    Workload,
+    load_workload,
+    simulate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MOONCAKE = "../shared/traces/synthetic_trace.jsonl"
+RAGPULSE = "../shared/traces/ragpulse"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One simulate.py invocation (without --policy)."""
+
+    name: str
+    replicas: int
+    load: str  # "light" or "heavy": the two load levels of each workload and fleet size
+    pressure: bool  # caches or prefill capacity under pressure (the issue's target split)
+    trace: str | None = None
+    workload: str | None = None
+    speedup: float = 1.0
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def command(self) -> str:
+        src = f"--trace {self.trace}" if self.trace else f"--workload {self.workload}"
+        extra = "".join(f" --workload-param {k}={v}" for k, v in self.params)
+        speed = f" --speedup {self.speedup:g}" if self.speedup != 1.0 else ""
+        return (f"python loadtests/simulate.py {src}{extra}{speed} --replicas {self.replicas}"
+                " --policy all")
+
+
+def _p(**kw: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(kw.items())
+
+
+def _scenarios() -> list[Scenario]:
+    out: list[Scenario] = []
+    for n, k in ((8, 1), (32, 4)):
+        # Mooncake's synthetic trace: long prompts (mean 15k tokens), reuse in follow-up turns.
+        out += [Scenario("mooncake", n, "light", True, trace=MOONCAKE, speedup=0.5 * k),
+                Scenario("mooncake", n, "heavy", True, trace=MOONCAKE, speedup=0.75 * k)]
+        # RAGPulse: one week compressed; a shared system prompt and little else to reuse.
+        out += [Scenario("ragpulse", n, "light", False, trace=RAGPULSE, speedup=300 * k),
+                Scenario("ragpulse", n, "heavy", False, trace=RAGPULSE, speedup=700 * k)]
+        # llm-d's B2B shape: 6k-token tenant contexts; KV demand 300 x 6,144 tokens per 8
+        # replicas = 3.6 replica caches, 45% of the fleet's.
+        ten = {"n_tenants": 300 * k, "n_requests": 4000 * k}
+        out += [Scenario("tenants", n, "light", True, workload="tenants",
+                         params=_p(**ten, rate_per_s=10 * k)),
+                Scenario("tenants", n, "heavy", True, workload="tenants",
+                         params=_p(**ten, rate_per_s=18 * k))]
+        hot = {"n_requests": 2000 * k}
+        out += [Scenario("hot_prompt", n, "light", False, workload="hot_prompt",
+                         params=_p(**hot, rate_per_s=20 * k)),
+                Scenario("hot_prompt", n, "heavy", False, workload="hot_prompt",
+                         params=_p(**hot, rate_per_s=60 * k))]
+        out += [Scenario("multi_turn", n, "light", True, workload="multi_turn",
+                         params=_p(n_sessions=200 * k, rate_per_s=8 * k)),
+                Scenario("multi_turn", n, "heavy", True, workload="multi_turn",
+                         params=_p(n_sessions=400 * k, rate_per_s=20 * k))]
+        # Control: 4 tenants x 2k-token prompts fit every replica's cache; nothing to win.
+        ctl = {"n_tenants": 4, "system_blocks": 4, "query_blocks": 1, "n_requests": 3000 * k}
+        out += [Scenario("control", n, "light", False, workload="tenants",
+                         params=_p(**ctl, rate_per_s=25 * k)),
+                Scenario("control", n, "heavy", False, workload="tenants",
+                         params=_p(**ctl, rate_per_s=50 * k))]
+    return out
+
+
+SCENARIOS = _scenarios()
+_workloads: dict[Scenario, Workload] = {}
+
+
+def _run(job: tuple[Scenario, str]) -> tuple[Scenario, str, dict[str, Any], float]:
+    sc, policy = job
+    w = _workloads.get(sc)
+    if w is None:
+        _workloads.clear()  # one workload per process at a time: they are large
+        # Trace paths are relative to the repository root, as in the printed commands.
+        trace = str(REPO / sc.trace) if sc.trace else None
+        w = _workloads[sc] = load_workload(trace, sc.workload, speedup=sc.speedup,
+                                           params=dict(sc.params))
+    t0 = time.perf_counter()
+    report = simulate(w, policy, replicas=sc.replicas)
+    return sc, policy, report, time.perf_counter() - t0
+
+
+def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
+    oracle_hit = reports["oracle"]["hit_ratio"]
+    ideal = reports["oracle"]["ideal_hit_ratio"]
+    lines = [
+        f"#### {sc.name}, {sc.replicas} replicas, {sc.load} load",
+        "",
+        f"`{sc.command()}`",
+        "",
+        f"Ideal hit ratio (one infinite cache): {ideal:.3f}.",
+        "",
+        "| policy | TTFT mean s | p50 s | p99 s | hit | hit / ideal | hit / oracle's | "
+        "req imb | prefill imb | peak in-flight imb |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for policy in ALL_POLICIES:
+        r = reports[policy]
+        lines.append(
+            f"| {r['policy']} | {r['ttft_mean_s']:.3f} | {r['ttft_p50_s']:.3f} | "
+            f"{r['ttft_p99_s']:.3f} | {r['hit_ratio']:.3f} | "
+            f"{r['hit_ratio'] / ideal if ideal else 0:.2f} | "
+            f"{r['hit_ratio'] / oracle_hit if oracle_hit else 0:.2f} | {r['imbalance']:.2f} | "
+            f"{r['prefill_imbalance']:.2f} | {r['peak_inflight_imbalance']:.2f} |")
+    return [*lines, ""]
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "n/a"
+
+
+def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| workload | replicas | load | pressure | prefix_affinity TTFT mean s | / oracle | "
+        "/ round_robin | / sglang (emulated) | / least_load | prefill imb |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sc, reports in results.items():
+        pa = reports["prefix_affinity"]["ttft_mean_s"]
+        lines.append(
+            f"| {sc.name} | {sc.replicas} | {sc.load} | {'yes' if sc.pressure else 'no'} | "
+            f"{pa:.3f} | {_ratio(pa, reports['oracle']['ttft_mean_s'])} | "
+            f"{_ratio(pa, reports['round_robin']['ttft_mean_s'])} | "
+            f"{_ratio(pa, reports['sglang_cache_aware']['ttft_mean_s'])} | "
+            f"{_ratio(pa, reports['least_load']['ttft_mean_s'])} | "
+            f"{reports['prefix_affinity']['prefill_imbalance']:.2f} |")
+    return [*lines, ""]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="run scenarios whose name contains this")
+    ap.add_argument("--replicas", type=int, default=0, help="only this fleet size")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    args = ap.parse_args(argv)
+    chosen = [sc for sc in SCENARIOS if args.only in sc.name
+              and (not args.replicas or sc.replicas == args.replicas)]
+    jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
+    results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
+    t0 = time.perf_counter()
+    with Pool(max(1, args.jobs)) as pool:
+        for sc, policy, report, wall in pool.imap(_run, jobs):
+            results[sc][policy] = report
+            print(f"# {sc.name} {sc.replicas} {sc.load} {policy}: "
+                  f"TTFT mean {report['ttft_mean_s']:.3f} s ({wall:.1f} s)",
+                  file=sys.stderr, flush=True)
+    print(f"Simulated: profile {DEFAULT_PROFILE}, KV cache {DEFAULT_KV_CAPACITY_TOKENS:,} "
+          f"tokens per replica, gateway RoutingSettings defaults; "
+          f"`python loadtests/scoreboard.py` ({time.perf_counter() - t0:.0f} s).\n")
+    print("\n".join(_summary(results)))
+    for sc in chosen:
+        print("\n".join(_table(sc, results[sc])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
