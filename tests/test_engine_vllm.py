@@ -1,0 +1,124 @@
+"""Real vLLM CPU replicas behind the gateway: prefix affinity raises the engines' own hits.
+
+Slow (two real engines start on two cores): run alone with `pytest -m engine`.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway import processes
+from tests.conftest import poll, start_gateway
+
+pytestmark = pytest.mark.engine
+
+# An odd tenant count: with an even one, round robin over two replicas would pin each tenant
+# to one replica by accident of the interleaving, and the comparison would show nothing.
+TENANTS = 3
+REQUESTS_PER_TENANT = 6
+
+
+@pytest.fixture(scope="module")
+def vllm_replicas(tmp_path_factory):
+    launch = pytest.importorskip("backends.vllm_cpu.launch")
+    try:
+        python = launch.vllm_python()
+    except FileNotFoundError as exc:
+        pytest.fail(f"vLLM CPU is not installed: {exc} (make test installs it)")
+    model_dir = launch.ensure_model(python=python)
+    base = processes.free_ports(1)[0]
+    while base > 64000:  # start_replicas takes consecutive ports from base
+        base = processes.free_ports(1)[0]
+    reps = launch.start_replicas(2, model_dir, base_port=base,
+                                 log_dir=str(tmp_path_factory.mktemp("vllm-logs")))
+    yield reps
+    launch.stop_replicas(reps)
+
+
+def engine_counters(url: str) -> tuple[float, float]:
+    """(prefix-cache hit tokens, query tokens) from the engine's own /metrics."""
+    hits = queries = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "vllm:prefix_cache_hits_total":
+                hits += s.value
+            elif s.name == "vllm:prefix_cache_queries_total":
+                queries += s.value
+    return hits, queries
+
+
+def gateway_engine_ratios(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "gateway_engine_prefix_cache_hit_ratio"}
+
+
+def tenant_system_prompt(i: int) -> str:
+    topics = ["billing", "shipping", "returns", "warranty", "accounts", "security"]
+    words = [f"{topics[(i + j) % len(topics)]} rule {i}.{j} applies to every order." for j in
+             range(120)]
+    return f"You are the assistant of tenant {i}. " + " ".join(words)
+
+
+def run_workload(gateway_url: str) -> dict[str, set[int]]:
+    """The same shared-prefix chat workload for every policy: tenants x users, interleaved."""
+    c = openai.OpenAI(base_url=gateway_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    served: dict[str, set[int]] = {}
+    for u in range(REQUESTS_PER_TENANT):
+        for t in range(TENANTS):
+            raw = c.chat.completions.with_raw_response.create(
+                model="tiny", max_tokens=4, stream=bool(u % 2),
+                messages=[{"role": "system", "content": tenant_system_prompt(t)},
+                          {"role": "user", "content": f"User {u} asks about order {u * 31}."}])
+            if u % 2:
+                assert list(raw.parse())
+            else:
+                assert raw.parse().choices
+            served.setdefault(raw.headers["x-gateway-replica"], set()).add(t)
+    return served
+
+
+def one_pool_config(urls: list[str], port: int, policy: str) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "routing": {"policy": policy},
+        "pools": [{"name": "realtime", "engine": "vllm", "models": ["tiny"],
+                   "replicas": [{"name": f"vllm-{i}", "url": u} for i, u in enumerate(urls)],
+                   "health": {"interval_s": 0.5, "metrics_interval_s": 0.25,
+                              "hit_ratio_window_s": 3600}}],
+        "traffic_classes": [{"name": "realtime", "pool": "realtime"}],
+        "classification": {"default_class": "realtime"},
+    }
+
+
+def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path) -> None:
+    urls = [r.url for r in vllm_replicas]
+    hit_tokens: dict[str, float] = {}
+    for policy in ("round_robin", "prefix_affinity"):
+        for url in urls:
+            # Empty caches for each policy (needs VLLM_SERVER_DEV_MODE=1, set by the launcher).
+            assert httpx.post(url + "/reset_prefix_cache").status_code == 200
+        before = {u: engine_counters(u) for u in urls}
+        port = processes.free_ports(1)[0]
+        gw = start_gateway(one_pool_config(urls, port, policy), tmp_path, name=policy)
+        try:
+            served = run_workload(gw.url)
+            after = {u: engine_counters(u) for u in urls}
+            deltas = {u: (after[u][0] - before[u][0], after[u][1] - before[u][1]) for u in urls}
+            hit_tokens[policy] = sum(d[0] for d in deltas.values())
+            if policy == "prefix_affinity":
+                # Each tenant's prefix lives on one replica only.
+                homes = [t for tenants in served.values() for t in tenants]
+                assert sorted(homes) == list(range(TENANTS))
+            # The gateway's gauge is the engines' own counters over the same window.
+            expected = {f"vllm-{i}": d[0] / d[1] for i, (u, d) in enumerate(deltas.items())
+                        if d[1] > 0}
+            poll(lambda exp=expected, g=gw: all(
+                abs(gateway_engine_ratios(g.url).get(name, -1) - ratio) < 1e-9
+                for name, ratio in exp.items()), deadline_s=15)
+        finally:
+            gw.stop()
+    assert hit_tokens["prefix_affinity"] > hit_tokens["round_robin"], hit_tokens
