@@ -10,15 +10,24 @@ from gateway import processes
 from tests.conftest import poll, start_gateway, start_sims, two_pool_config
 
 
-@pytest.fixture
-def small_fleet(tmp_path):
+def start_small_fleet(tmp_path, probe_interval_s: float = 0.2):
+    """Two realtime replicas and one batch replica behind a gateway."""
     sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
     port = processes.free_ports(1)[0]
     config = two_pool_config(sims.urls[:2], sims.urls[2:], port)
-    # Slow probes: a failure must be noticed by the request path itself, not by the prober.
     for pool in config["pools"]:
-        pool["health"]["interval_s"] = 30
-    gw = start_gateway(config, tmp_path)
+        pool["health"]["interval_s"] = probe_interval_s
+    try:
+        return start_gateway(config, tmp_path), sims
+    except Exception:
+        sims.stop()
+        raise
+
+
+@pytest.fixture
+def small_fleet(tmp_path):
+    # Slow probes: a failure must be noticed by the request path itself, not by the prober.
+    gw, sims = start_small_fleet(tmp_path, probe_interval_s=30)
     yield gw, sims
     gw.stop()
     sims.stop()
@@ -57,9 +66,7 @@ def test_dead_replica_is_skipped_before_the_first_byte(small_fleet) -> None:
 
 
 def test_replica_leaves_and_rejoins_rotation(tmp_path) -> None:
-    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
-    port = processes.free_ports(1)[0]
-    gw = start_gateway(two_pool_config(sims.urls[:2], sims.urls[2:], port), tmp_path)
+    gw, sims = start_small_fleet(tmp_path)
     try:
         httpx.post(sims.urls[0] + "/sim/fail")
         poll(lambda: replica_up(gw.url).get("rt-0") == 0)
@@ -85,22 +92,12 @@ def test_replica_leaves_and_rejoins_rotation(tmp_path) -> None:
         sims.stop()
 
 
-def test_stopped_replica_process_is_survived(tmp_path) -> None:
-    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
-    port = processes.free_ports(1)[0]
-    config = two_pool_config(sims.urls[:2], sims.urls[2:], port)
-    for pool in config["pools"]:
-        pool["health"]["interval_s"] = 30
-    gw = start_gateway(config, tmp_path)
-    try:
-        processes.stop_all([sims.procs[0]])
-        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
-        # Every request succeeds: connection refused on rt-0 is retried on rt-1 at once.
-        for i in range(8):
-            raw = c.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": f"q{i} " * 100}],
-                max_tokens=1)
-            assert raw.headers["x-gateway-replica"] == "rt-1"
-    finally:
-        gw.stop()
-        sims.stop()
+def test_stopped_replica_process_is_survived(small_fleet) -> None:
+    gw, sims = small_fleet
+    processes.stop_all([sims.procs[0]])
+    c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    # Every request succeeds: connection refused on rt-0 is retried on rt-1 at once.
+    for i in range(8):
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"q{i} " * 100}], max_tokens=1)
+        assert raw.headers["x-gateway-replica"] == "rt-1"
