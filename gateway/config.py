@@ -125,7 +125,10 @@ class ServerConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     response_headers: bool = Field(True, description="send x-gateway-replica / x-gateway-pool")
     explain_headers: bool = Field(True, description="send x-gateway-route-reason / -match")
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="longest silence from a replica (no byte) before giving up; a "
+        "long generation that keeps streaming is never cut"
+    )
     connect_timeout_s: float = Field(3.0, gt=0)
     max_attempts: int = Field(2, ge=1, le=10, description="tries before the first byte is sent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)

@@ -89,7 +89,9 @@ class InferenceEndpoint:
         self.path = path
         self.chat = chat
         cfg = state.config.server
-        self.timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s,
+        # No total timeout: a long generation that keeps streaming must not be cut. A replica
+        # that goes silent for request_timeout_s is given up on.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_read=cfg.request_timeout_s,
                                              sock_connect=cfg.connect_timeout_s)
         self.max_attempts = cfg.max_attempts
         self.max_body = cfg.max_body_bytes
