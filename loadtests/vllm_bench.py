@@ -1,0 +1,712 @@
+"""Routing benchmark on real vLLM CPU replicas: TTFT and the engines' own prefix-cache hits.
+
+Starts N real vLLM CPU replicas (backends/vllm_cpu/launch.py) with a KV cache sized so that
+every tenant's system prompt fits in the fleet's caches together but not in one replica's,
+then for each policy (and, for prefix_affinity, each `hashing` mode): resets the engines'
+prefix caches (POST /reset_prefix_cache), starts a gateway process with that policy, runs the
+same multi-tenant multi-turn streaming chat workload through /v1/chat/completions with a few
+concurrent users, and stops the gateway. TTFT is client-side (first chunk with content; the
+first chat chunk is role-only); the hit ratio is the engines' own (delta of
+vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the run). Then the same
+policies again on replicas whose cache holds every tenant (control, no pressure).
+Metrics parsing, percentiles and helpers come from loadtests/replay.py (which sends
+/v1/completions with Mooncake-block text, so it cannot replay a chat workload itself).
+
+    python loadtests/vllm_bench.py --repeats 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: `python loadtests/vllm_bench.py`
+    sys.path.insert(0, str(ROOT))
+
+from backends.vllm_cpu import launch  # noqa: E402
+from gateway import processes  # noqa: E402
+from loadtests.replay import (  # noqa: E402
+    consecutive_free_ports,
+    percentile,
+    run_async,
+    sigterm_as_interrupt,
+)
+from loadtests.traces import _WORDS  # noqa: E402
+
+MODEL = "tiny"
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+ENGINE_QUEUE = "vllm:request_queue_time_seconds"
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GW_TTFT = "gateway_time_to_first_token_seconds"
+COUNTERS = (HITS, QUERIES, f"{ENGINE_TTFT}_sum", f"{ENGINE_TTFT}_count", f"{ENGINE_QUEUE}_sum",
+            f"{ENGINE_QUEUE}_count")
+GAUGES = (WAITING, RUNNING, KV_USAGE)
+VARIANTS = ("round_robin", "least_load", "prefix_affinity", "prefix_affinity+engine_tokens")
+
+
+def log(msg: str) -> None:
+    print(f"vllm_bench: {msg}", file=sys.stderr, flush=True)
+
+
+# -- workload ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One chat request: a user's turn, with the tenant's system prompt and the history."""
+
+    tenant: int
+    user: int
+    turn: int
+    messages: tuple[dict[str, str], ...]
+
+
+@dataclass
+class Workload:
+    """The requests in issue order, and the facts needed to size the KV cache."""
+
+    turns: list[Turn]
+    system_tokens: list[int]
+    max_prompt_tokens: int = 0
+    prompt_tokens: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+
+def words(seed: int, n: int) -> str:
+    """``n`` deterministic words of seed ``seed``."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def fit_words(target_tokens: int, count: Callable[[int], int], start: int) -> int:
+    """Word count whose text has at most ``target_tokens`` tokens, close to it (few calls)."""
+    n = max(1, start)
+    for _ in range(6):
+        c = count(n)
+        if abs(c - target_tokens) <= 8:
+            break
+        n = max(1, round(n * target_tokens / max(1, c)))
+    while n > 1 and count(n) > target_tokens:
+        n -= max(1, n // 100)
+    return n
+
+
+def system_targets(tenants: int, lo: int, hi: int) -> list[int]:
+    """System-prompt lengths spread evenly over [lo, hi] tokens."""
+    if tenants == 1:
+        return [(lo + hi) // 2]
+    return [round(lo + (hi - lo) * i / (tenants - 1)) for i in range(tenants)]
+
+
+def build_turns(system: Sequence[str], users: int, turns: int, user_words: int,
+                reply_words: int, seed: int) -> list[Turn]:
+    """Rounds of turns: in round k every user sends turn k, users shuffled per round.
+
+    A user's history grows each round by its previous message and a deterministic reply (not
+    the model's output, so every policy sees byte-identical prompts).
+    """
+    rng = random.Random(seed)
+    history: dict[tuple[int, int], list[dict[str, str]]] = {}
+    out: list[Turn] = []
+    keys = [(t, u) for t in range(len(system)) for u in range(users)]
+    for k in range(turns):
+        order = keys[:]
+        rng.shuffle(order)
+        for t, u in order:
+            h = history.setdefault((t, u), [{"role": "system", "content": system[t]}])
+            ident = 1_000_000 * (t + 1) + 1000 * u + k
+            msg = f"User {u} of tenant {t}, turn {k}: " + words(ident, user_words)
+            h.append({"role": "user", "content": msg})
+            out.append(Turn(t, u, k, tuple(h)))
+            h.append({"role": "assistant", "content": words(ident + 500, reply_words)})
+    return out
+
+
+def build_workload(tok: Callable[[dict[str, Any]], int], tenants: int, sys_lo: int,
+                   sys_hi: int, users: int, turns: int, user_tokens: int, reply_tokens: int,
+                   seed: int) -> Workload:
+    """Fit system prompts to token targets with the engine's tokenizer, then build turns."""
+    system, counts = [], []
+    for t, target in enumerate(system_targets(tenants, sys_lo, sys_hi)):
+        head = f"You are the assistant of tenant {t}. Follow its manual: "
+
+        def count(n: int, head: str = head, t: int = t) -> int:
+            return tok({"prompt": head + words(seed * 7919 + t, n)})
+
+        n = fit_words(target, count, target // 2)
+        system.append(head + words(seed * 7919 + t, n))
+        counts.append(count(n))
+    per_word = max(0.5, counts[0] / max(1, len(system[0].split())))
+    user_words = max(4, round(user_tokens / per_word))
+    reply_words = max(4, round(reply_tokens / per_word))
+    wl = Workload(build_turns(system, users, turns, user_words, reply_words, seed), counts)
+    for tr in wl.turns:
+        if tr.turn == turns - 1 or tr.turn == 0:
+            n = tok({"messages": list(tr.messages)})
+            wl.prompt_tokens[(tr.tenant, tr.user, tr.turn)] = n
+            wl.max_prompt_tokens = max(wl.max_prompt_tokens, n)
+    return wl
+
+
+def kv_blocks_for(tokens: float, block: int) -> int:
+    """Whole KV blocks that hold ``tokens`` tokens."""
+    return math.ceil(tokens / block)
+
+
+def kv_gib(blocks: int, block: int, bytes_per_token: int) -> float:
+    """KV memory (GiB, a little over) for ``blocks`` blocks, so the block cap is what binds."""
+    return round(blocks * block * bytes_per_token * 1.05 / launch.GiB + 0.01, 3)
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of every series of each named sample (labels ignored) in Prometheus text."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        cut = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+        name = line[:cut]
+        if name in out:
+            with contextlib.suppress(ValueError):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def scrape(s: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, float]:
+    async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return parse_sums(await r.text(), names)
+
+
+# -- client ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    """One request as the client saw it."""
+
+    tenant: int
+    turn: int
+    ok: bool
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: int) -> Result:
+    """Stream one chat request; TTFT is the first chunk whose delta has content."""
+    body = {"model": MODEL, "messages": list(tr.messages), "max_tokens": max_tokens,
+            "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    res = Result(tr.tenant, tr.turn, False)
+    t0 = time.perf_counter()
+    try:
+        async with s.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                          headers={"Content-Type": "application/json"}) as r:
+            res.replica = r.headers.get("x-gateway-replica", "")
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            async for line in r.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+                if res.ttft_s is None:
+                    choices = chunk.get("choices") or [{}]
+                    if (choices[0].get("delta") or {}).get("content"):
+                        res.ttft_s = time.perf_counter() - t0
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+        return res
+    res.latency_s = time.perf_counter() - t0
+    res.ok = res.ttft_s is not None
+    if not res.ok:
+        res.error = "no content in stream"
+    return res
+
+
+async def drive(url: str, turns: Sequence[Turn], concurrency: int,
+                max_tokens: int) -> tuple[list[Result], float]:
+    """Closed loop: ``concurrency`` workers take turns in order; a user's turn waits for the
+    previous one (its history includes it)."""
+    done: dict[tuple[int, int, int], asyncio.Event] = {
+        (t.tenant, t.user, t.turn): asyncio.Event() for t in turns}
+    queue: asyncio.Queue[Turn] = asyncio.Queue()
+    for t in turns:
+        queue.put_nowait(t)
+    results: list[Result] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async def worker() -> None:
+            while not queue.empty():
+                tr = queue.get_nowait()
+                prev = done.get((tr.tenant, tr.user, tr.turn - 1))
+                if prev is not None:
+                    await prev.wait()
+                results.append(await send_chat(s, url, tr, max_tokens))
+                done[(tr.tenant, tr.user, tr.turn)].set()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+async def sample_engines(urls: Sequence[str], stop: asyncio.Event, out: list[list[float]],
+                         tok_url: str | None, tok_body: dict[str, Any] | None,
+                         tok_out: list[float]) -> None:
+    """Every 0.5 s: each replica's waiting, running, KV usage; optionally time one /tokenize."""
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            try:
+                snaps = await asyncio.gather(*(scrape(s, u, GAUGES) for u in urls))
+                out.append([v for m in snaps for v in (m[WAITING], m[RUNNING], m[KV_USAGE])])
+                if tok_url and tok_body:
+                    t0 = time.perf_counter()
+                    async with s.post(tok_url + "/tokenize", data=orjson.dumps(tok_body),
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                    tok_out.append(time.perf_counter() - t0)
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str) -> dict[str, Any]:
+    """One pool of the vLLM replicas with this policy and hashing mode."""
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "routing": {"policy": policy, "hashing": hashing},
+        "pools": [{"name": "bench", "engine": "vllm", "models": [MODEL],
+                   "replicas": [{"name": f"vllm-{i}", "url": u} for i, u in enumerate(urls)],
+                   "health": {"interval_s": 1.0, "metrics_interval_s": 0.5}}],
+        "traffic_classes": [{"name": "default", "pool": "bench"}],
+        "classification": {"default_class": "default"},
+    }
+
+
+async def reset_caches(urls: Sequence[str]) -> None:
+    """POST /reset_prefix_cache until every replica reports success (idle)."""
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            for _ in range(100):
+                async with s.post(u + "/reset_prefix_cache") as r:
+                    ok = r.status == 200 and (await r.json()).get("success", False)
+                if ok:
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise RuntimeError(f"{u}: /reset_prefix_cache never succeeded")
+
+
+async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: int,
+                   max_tokens: int, tokenize_probe: bool) -> dict[str, Any]:
+    """Reset caches, drive the workload through the gateway, diff the engines' counters."""
+    await reset_caches(urls)
+    async with aiohttp.ClientSession() as s:
+        before = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
+        gw_before = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
+    stop = asyncio.Event()
+    samples: list[list[float]] = []
+    tok_times: list[float] = []
+    probe = wl.turns[len(wl.turns) // 2]
+    sampler = asyncio.create_task(sample_engines(
+        urls, stop, samples, urls[0] if tokenize_probe else None,
+        {"model": MODEL, "messages": list(probe.messages), "add_generation_prompt": True},
+        tok_times))
+    results, wall = await drive(gw_url, wl.turns, concurrency, max_tokens)
+    stop.set()
+    await sampler
+    await asyncio.sleep(1.0)  # counters and the gateway's histograms settle after the last byte
+    async with aiohttp.ClientSession() as s:
+        after = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
+        gw_after = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
+    return summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
+                     len(urls))
+
+
+def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]],
+           key: str) -> list[float]:
+    return [a[key] - b[key] for a, b in zip(after, before, strict=True)]
+
+
+def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str, float]],
+              after: Sequence[dict[str, float]], gw_before: dict[str, float],
+              gw_after: dict[str, float], samples: Sequence[Sequence[float]],
+              tok_times: Sequence[float], n: int) -> dict[str, Any]:
+    """Client TTFT percentiles, engine hit ratio and queueing, gateway-minus-engine TTFT."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    hits, queries = _delta(before, after, HITS), _delta(before, after, QUERIES)
+    e_sum = sum(_delta(before, after, f"{ENGINE_TTFT}_sum"))
+    e_cnt = sum(_delta(before, after, f"{ENGINE_TTFT}_count"))
+    q_sum = sum(_delta(before, after, f"{ENGINE_QUEUE}_sum"))
+    q_cnt = sum(_delta(before, after, f"{ENGINE_QUEUE}_count"))
+    g_sum = gw_after[f"{GW_TTFT}_sum"] - gw_before[f"{GW_TTFT}_sum"]
+    g_cnt = gw_after[f"{GW_TTFT}_count"] - gw_before[f"{GW_TTFT}_count"]
+    per_replica: dict[str, int] = {}
+    tenants_on: dict[str, set[int]] = {}
+    for r in ok:
+        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+        tenants_on.setdefault(r.replica, set()).add(r.tenant)
+    waiting = [[row[3 * i] for row in samples] for i in range(n)]
+    kv = [[row[3 * i + 2] for row in samples] for i in range(n)]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "first_errors": [r.error for r in results if not r.ok][:3],
+        "wall_s": round(wall, 2),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "engine_hit_ratio": sum(hits) / sum(queries) if sum(queries) else None,
+        "engine_hit_ratio_per_replica": [h / q if q else None for h, q in zip(hits, queries,
+                                                                              strict=True)],
+        "engine_prefill_tokens_per_replica": [int(q - h) for h, q in zip(hits, queries,
+                                                                         strict=True)],
+        "client_cached_ratio": (sum(r.cached_tokens for r in ok) / prompt) if prompt else None,
+        "engine_ttft_mean_s": e_sum / e_cnt if e_cnt else None,
+        "engine_queue_mean_s": q_sum / q_cnt if q_cnt else None,
+        "gateway_ttft_mean_s": g_sum / g_cnt if g_cnt else None,
+        "gateway_minus_engine_ttft_s": (g_sum / g_cnt - e_sum / e_cnt) if g_cnt and e_cnt
+        else None,
+        "requests_per_replica": dict(sorted(per_replica.items())),
+        "tenants_per_replica": {k: sorted(v) for k, v in sorted(tenants_on.items())},
+        "engine_waiting_mean": [round(statistics.fmean(w), 3) if w else None for w in waiting],
+        "engine_waiting_max": [max(w) if w else None for w in waiting],
+        "engine_kv_usage_max": [round(max(k), 3) if k else None for k in kv],
+        "tokenize_under_load_s": {"n": len(tok_times), "p50": percentile(tok_times, 0.5),
+                                  "p90": percentile(tok_times, 0.9)} if tok_times else None,
+    }
+
+
+def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
+                  name: str) -> tuple[str, Any]:
+    """Spawn `gateway.cli serve` with a generated config; wait for /ready."""
+    port = processes.free_ports(1)[0]
+    cfg = log_dir / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, policy, hashing)))
+    log_path = log_dir / f"{name}.log"
+    proc = processes.spawn([processes.python(), "-m", "gateway.cli", "serve", "--config",
+                            str(cfg), "--log-level", "warning"], str(log_path),
+                           env={"PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
+    except RuntimeError as exc:
+        processes.stop_all([proc])
+        raise RuntimeError(f"gateway did not become ready: {exc}\n"
+                           + log_path.read_text(errors="replace")[-2000:]) from None
+    return url, proc
+
+
+def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.Namespace,
+                log_dir: Path, tag: str) -> dict[str, Any]:
+    """One gateway process, one workload run, for a policy[+engine_tokens] variant."""
+    policy, _, mode = variant.partition("+")
+    hashing = mode or "chars"
+    gw_url, proc = start_gateway(urls, policy, hashing, log_dir, f"gw-{tag}-{policy}-{hashing}")
+    try:
+        res = run_async(run_once(urls, gw_url, wl, args.concurrency, args.max_tokens,
+                                 tokenize_probe=hashing == "engine_tokens"))
+    finally:
+        processes.stop_all([proc])
+    res.update(variant=variant, policy=policy, hashing=hashing)
+    return res
+
+
+# -- /tokenize cost, idle ----------------------------------------------------------------------
+
+
+async def tokenize_idle(url: str, wl: Workload, trials: int) -> dict[str, Any]:
+    """Time POST /tokenize (chat messages) on an idle replica for the shortest/longest turns."""
+    first = min(wl.turns, key=lambda t: len(json.dumps(t.messages)))
+    last = max(wl.turns, key=lambda t: len(json.dumps(t.messages)))
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as s:
+        for label, tr in (("shortest", first), ("longest", last)):
+            body = orjson.dumps({"model": MODEL, "messages": list(tr.messages),
+                                 "add_generation_prompt": True})
+            times, count = [], 0
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                async with s.post(url + "/tokenize", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    count = (await r.json())["count"]
+                times.append(time.perf_counter() - t0)
+            out[label] = {"tokens": count, "p50_s": percentile(times, 0.5),
+                          "p90_s": percentile(times, 0.9), "min_s": min(times)}
+    return out
+
+
+# -- phases ----------------------------------------------------------------------------------
+
+
+def tokenizer_of(url: str) -> Callable[[dict[str, Any]], int]:
+    """A blocking token counter backed by the replica's POST /tokenize."""
+    import urllib.request
+
+    def count(body: dict[str, Any]) -> int:
+        req = urllib.request.Request(url + "/tokenize", data=json.dumps(
+            {"model": MODEL, **body}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return int(json.loads(r.read())["count"])
+
+    return count
+
+
+def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
+          variants: Sequence[str], wl: Workload | None, log_dir: Path,
+          ) -> tuple[dict[str, Any], Workload]:
+    """Start replicas with ``blocks`` KV blocks each, run every variant ``repeats`` times
+    interleaved, stop the replicas."""
+    base = consecutive_free_ports(args.replicas)
+    gib = kv_gib(blocks, args.block_size, args.kv_bytes_per_token)
+    log(f"[{label}] starting {args.replicas} replicas: {blocks} blocks x {args.block_size} "
+        f"tokens each ({gib} GiB), max_model_len {args.max_model_len}")
+    t0 = time.monotonic()
+    reps = launch.start_replicas(args.replicas, model_dir, base, served_model_name=MODEL,
+                                 kv_cache_gib=gib, max_model_len=args.max_model_len,
+                                 log_dir=str(log_dir), num_kv_blocks=blocks,
+                                 block_size=args.block_size)
+    info: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1),
+                            "kv_blocks": [r.num_kv_blocks for r in reps],
+                            "kv_tokens": [r.kv_cache_tokens for r in reps],
+                            "block_size": reps[0].block_size, "runs": []}
+    try:
+        urls = [r.url for r in reps]
+        if wl is None:
+            wl = build_workload(tokenizer_of(urls[0]), args.tenants, args.system_min,
+                                args.system_max, args.users, args.turns, args.user_tokens,
+                                args.reply_tokens, args.seed)
+            log(f"workload: {len(wl.turns)} requests, system prompts {wl.system_tokens} tokens,"
+                f" longest prompt {wl.max_prompt_tokens} tokens")
+        if any(v.endswith("engine_tokens") for v in variants):
+            info["tokenize_idle"] = run_async(tokenize_idle(urls[0], wl, args.tokenize_trials))
+            log(f"[{label}] /tokenize idle: {info['tokenize_idle']}")
+        for rep in range(args.repeats):
+            order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+            for v in order:
+                res = run_variant(urls, v, wl, args, log_dir, f"{label}{rep}")
+                res["repeat"] = rep
+                info["runs"].append(res)
+                log(f"[{label}] rep {rep} {v}: TTFT p50 {fmt_ms(res['ttft_p50_s'])} p90 "
+                    f"{fmt_ms(res['ttft_p90_s'])} hit {fmt_ratio(res['engine_hit_ratio'])} "
+                    f"errors {res['errors']} wall {res['wall_s']} s "
+                    f"tenants {res['tenants_per_replica']}")
+    finally:
+        launch.stop_replicas(reps)
+    return info, wl
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _med(vals: Sequence[float | None]) -> float | None:
+    xs = [v for v in vals if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(vals: Sequence[float | None], f: Callable[[float | None], str]) -> str:
+    xs = [v for v in vals if v is not None]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f(xs[0])
+    return f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})"
+
+
+def aggregate(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[str, Any]:
+    """Per variant: medians over repeats of TTFT p50/p90, hit ratio, overhead."""
+    out: dict[str, Any] = {}
+    for v in variants:
+        rs = [r for r in runs if r["variant"] == v]
+        out[v] = {k: _med([r[k] for r in rs]) for k in (
+            "ttft_p50_s", "ttft_p90_s", "engine_hit_ratio", "client_cached_ratio",
+            "engine_queue_mean_s", "gateway_minus_engine_ttft_s", "wall_s")}
+        out[v]["runs"] = len(rs)
+        out[v]["errors"] = sum(r["errors"] for r in rs)
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    """Markdown tables: pressured and control, each policy's TTFT and engine hit ratio."""
+    lines = []
+    for label in ("pressured", "control"):
+        ph = report.get(label)
+        if not ph:
+            continue
+        lines += [f"### {label}: {ph['kv_blocks'][0]} KV blocks x {ph['block_size']} tokens "
+                  f"per replica ({ph['kv_tokens'][0]} tokens)", "",
+                  "| variant | TTFT p50 ms | TTFT p90 ms | engine hit ratio | queue mean ms "
+                  "| gateway-engine TTFT ms | errors | runs |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        variants = list(dict.fromkeys(r["variant"] for r in ph["runs"]))
+        for v in variants:
+            rs = [r for r in ph["runs"] if r["variant"] == v]
+            lines.append(
+                f"| {v} | {_spread([r['ttft_p50_s'] for r in rs], fmt_ms)} | "
+                f"{_spread([r['ttft_p90_s'] for r in rs], fmt_ms)} | "
+                f"{_spread([r['engine_hit_ratio'] for r in rs], fmt_ratio)} | "
+                f"{_spread([r['engine_queue_mean_s'] for r in rs], fmt_ms)} | "
+                f"{_spread([r['gateway_minus_engine_ttft_s'] for r in rs], fmt_ms)} | "
+                f"{sum(r['errors'] for r in rs)} | {len(rs)} |")
+        lines.append("")
+    t = report.get("pressured", {}).get("tokenize_idle")
+    if t:
+        lines.append("/tokenize on an idle replica: " + ", ".join(
+            f"{k} prompt {v['tokens']} tokens p50 {fmt_ms(v['p50_s'])} ms p90 "
+            f"{fmt_ms(v['p90_s'])} ms" for k, v in t.items()))
+    tgt = report.get("target")
+    if tgt:
+        lines.append(f"target (pressured, medians): hit ratio prefix_affinity / round_robin = "
+                     f"{tgt['hit_ratio_x']:.2f} (>= 2: {tgt['hit_met']}); TTFT p50 "
+                     f"{fmt_ms(tgt['pa_p50'])} vs {fmt_ms(tgt['rr_p50'])} ms "
+                     f"(lower: {tgt['ttft_met']})")
+    return "\n".join(lines) + "\n"
+
+
+def target(agg: dict[str, Any]) -> dict[str, Any] | None:
+    """The issue's target on the pressured medians."""
+    pa, rr = agg.get("prefix_affinity"), agg.get("round_robin")
+    if not pa or not rr or not pa["engine_hit_ratio"] or not rr["engine_hit_ratio"]:
+        return None
+    x = pa["engine_hit_ratio"] / rr["engine_hit_ratio"]
+    return {"hit_ratio_x": x, "hit_met": x >= 2.0, "pa_p50": pa["ttft_p50_s"],
+            "rr_p50": rr["ttft_p50_s"], "ttft_met": pa["ttft_p50_s"] < rr["ttft_p50_s"]}
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--system-min", type=int, default=1500, help="shortest system prompt, tokens")
+    p.add_argument("--system-max", type=int, default=2500, help="longest system prompt, tokens")
+    p.add_argument("--users", type=int, default=2, help="users per tenant")
+    p.add_argument("--turns", type=int, default=4, help="turns per user (history grows)")
+    p.add_argument("--user-tokens", type=int, default=60, help="about, per user message")
+    p.add_argument("--reply-tokens", type=int, default=100, help="about, per assistant reply")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    p.add_argument("--concurrency", type=int, default=3, help="concurrent users (closed loop)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=128, help="KV block tokens (CPU default)")
+    p.add_argument("--pressure-blocks", type=int, default=0,
+                   help="KV blocks per replica under pressure (0: from the workload: the "
+                   "system prompts' blocks x pressure-fraction)")
+    p.add_argument("--pressure-fraction", type=float, default=0.8,
+                   help="per-replica cache as a fraction of all system prompts' blocks")
+    p.add_argument("--control-blocks", type=int, default=512,
+                   help="KV blocks per replica in the control run (holds everything)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-bytes-per-token", type=int, default=16384,
+                   help="KV bytes per token of the model (default model: 16 KiB)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant, interleaved")
+    p.add_argument("--tokenize-trials", type=int, default=30)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--no-control", action="store_true")
+    p.add_argument("--no-pressure", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON last")
+    p.add_argument("--output", help="write the JSON report to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    log_dir = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    t_start = time.monotonic()
+    model_dir = launch.ensure_model()
+    report: dict[str, Any] = {"args": vars(args), "log_dir": str(log_dir)}
+    wl: Workload | None = None
+    try:
+        with sigterm_as_interrupt():
+            if not args.no_pressure:
+                blocks = args.pressure_blocks
+                if not blocks:
+                    # Size from the workload: needs its token counts, so fit on a 1-replica
+                    # probe is avoided by the (conservative) targets instead of the fitted ones.
+                    sys_blocks = sum(kv_blocks_for(t, args.block_size) for t in system_targets(
+                        args.tenants, args.system_min, args.system_max))
+                    blocks = max(math.ceil(args.max_model_len / args.block_size) + 1,
+                                 round(sys_blocks * args.pressure_fraction))
+                report["pressured"], wl = phase("pressured", args, model_dir, blocks,
+                                                variants, wl, log_dir)
+            if not args.no_control:
+                ctl = [v for v in variants if v != "prefix_affinity+engine_tokens"]
+                report["control"], wl = phase("control", args, model_dir, args.control_blocks,
+                                              ctl, wl, log_dir)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    assert wl is not None
+    report["workload"] = {"requests": len(wl.turns), "system_tokens": wl.system_tokens,
+                          "max_prompt_tokens": wl.max_prompt_tokens}
+    for label in ("pressured", "control"):
+        if label in report:
+            report[label]["summary"] = aggregate(
+                report[label]["runs"], list(dict.fromkeys(r["variant"]
+                                                           for r in report[label]["runs"])))
+    if "pressured" in report:
+        report["target"] = target(report["pressured"]["summary"])
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    print(render(report), end="", flush=True)
+    print(f"wall time {report['wall_s']} s; logs in {log_dir}", flush=True)
+    line = json.dumps(report, default=str)
+    if args.output:
+        Path(args.output).write_text(line + "\n")
+    if args.json:
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
