@@ -1,0 +1,57 @@
+"""Pure helpers of loadtests/vllm_bench.py (no engine needed)."""
+
+from __future__ import annotations
+
+import itertools
+
+from loadtests import vllm_bench as vb
+
+
+def test_parse_sums_adds_series_and_ignores_comments() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total x\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 256.0\n'
+        "vllm:prefix_cache_queries_total 1000.0\n"
+        "vllm:prefix_cache_queries_total_created 1.7e9\n"
+    )
+    got = vb.parse_sums(text, (vb.HITS, vb.QUERIES, vb.WAITING))
+    assert got == {vb.HITS: 384.0, vb.QUERIES: 1000.0, vb.WAITING: 0.0}
+
+
+def test_system_targets_spread_evenly() -> None:
+    assert vb.system_targets(6, 1500, 2500) == [1500, 1700, 1900, 2100, 2300, 2500]
+    assert vb.system_targets(1, 1500, 2500) == [2000]
+
+
+def test_fit_words_stays_at_or_below_target() -> None:
+    n = vb.fit_words(1000, lambda words: 2 * words + 3, 100)
+    assert 2 * n + 3 <= 1000 and 2 * n + 3 >= 980
+
+
+def test_build_turns_histories_grow_and_are_deterministic() -> None:
+    turns = vb.build_turns(["sys A", "sys B"], users=2, turns=3, user_words=5, reply_words=7,
+                           seed=1)
+    assert len(turns) == 2 * 2 * 3
+    assert turns == vb.build_turns(["sys A", "sys B"], 2, 3, 5, 7, seed=1)
+    by_user = {}
+    for t in turns:
+        by_user.setdefault((t.tenant, t.user), []).append(t)
+    for (tenant, _), seq in by_user.items():
+        assert [t.turn for t in seq] == [0, 1, 2]  # a user's turns come in order
+        for prev, nxt in itertools.pairwise(seq):
+            assert nxt.messages[: len(prev.messages)] == prev.messages  # history is a prefix
+            assert len(nxt.messages) == len(prev.messages) + 2
+        assert seq[0].messages[0] == {"role": "system", "content": ["sys A", "sys B"][tenant]}
+
+
+def test_target_ratio_and_ttft() -> None:
+    agg = {"prefix_affinity": {"engine_hit_ratio": 0.8, "ttft_p50_s": 0.3},
+           "round_robin": {"engine_hit_ratio": 0.4, "ttft_p50_s": 0.7}}
+    t = vb.target(agg)
+    assert t is not None and t["hit_met"] and t["ttft_met"] and abs(t["hit_ratio_x"] - 2) < 1e-9
+
+
+def test_kv_gib_covers_the_block_cap() -> None:
+    gib = vb.kv_gib(77, 128, 16384)
+    assert gib * vb.launch.GiB >= 77 * 128 * 16384
