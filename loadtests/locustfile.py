@@ -104,7 +104,7 @@ class RealtimeChatUser(HttpUser):
         first = None
         parts: list[str] = []
         with self.client.post("/v1/chat/completions", json=body, stream=True,
-                              name="chat (stream)", catch_response=True) as resp:
+                              name="chat stream (to headers)", catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 self.messages.pop()
