@@ -12,7 +12,7 @@ policies again on replicas whose cache holds every tenant (control, no pressure)
 Metrics parsing, percentiles and helpers come from loadtests/replay.py (which sends
 /v1/completions with Mooncake-block text, so it cannot replay a chat workload itself).
 
-    python loadtests/vllm_bench.py --repeats 2 --json
+    python loadtests/vllm_bench.py --json --output /tmp/vllm-bench.json
 """
 
 from __future__ import annotations
@@ -631,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenants", type=int, default=6)
     p.add_argument("--system-min", type=int, default=1500, help="shortest system prompt, tokens")
     p.add_argument("--system-max", type=int, default=2500, help="longest system prompt, tokens")
-    p.add_argument("--users", type=int, default=2, help="users per tenant")
+    p.add_argument("--users", type=int, default=3, help="users per tenant")
     p.add_argument("--turns", type=int, default=4, help="turns per user (history grows)")
     p.add_argument("--user-tokens", type=int, default=60, help="about, per user message")
     p.add_argument("--reply-tokens", type=int, default=100, help="about, per assistant reply")
@@ -642,14 +642,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pressure-blocks", type=int, default=0,
                    help="KV blocks per replica under pressure (0: from the workload: the "
                    "system prompts' blocks x pressure-fraction)")
-    p.add_argument("--pressure-fraction", type=float, default=0.8,
+    p.add_argument("--pressure-fraction", type=float, default=0.7,
                    help="per-replica cache as a fraction of all system prompts' blocks")
     p.add_argument("--control-blocks", type=int, default=512,
                    help="KV blocks per replica in the control run (holds everything)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-bytes-per-token", type=int, default=16384,
                    help="KV bytes per token of the model (default model: 16 KiB)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per variant, interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     p.add_argument("--tokenize-trials", type=int, default=30)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-control", action="store_true")
