@@ -21,6 +21,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway.config import RoutingSettings
 from loadtests.simulate import (
     ALL_POLICIES,
     DEFAULT_KV_CAPACITY_TOKENS,
@@ -97,9 +98,31 @@ def _scenarios() -> list[Scenario]:
 SCENARIOS = _scenarios()
 _workloads: dict[Scenario, Workload] = {}
 
+# The ablation: prefix_affinity at the gateway's defaults, then with one choice undone at a
+# time, on the scenarios where each choice mattered (docs/routing.md, "What was tuned").
+ABLATION_SCENARIOS = ("mooncake/32/light", "mooncake/8/heavy", "tenants/8/heavy",
+                      "hot_prompt/8/light", "multi_turn/8/light", "control/8/light")
+ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
+    ("defaults", ()),
+    ("before tuning (c=1.25, w=1, no in-flight term, rendezvous ties)",
+     _p(load_weight=1, inflight_tokens=0, load_allowance=0, tie_tokens=1e9, balance_horizon=0)),
+    ("load_weight=1", _p(load_weight=1)),
+    ("inflight_tokens=0", _p(inflight_tokens=0)),
+    ("load_allowance=0", _p(load_allowance=0)),
+    ("load_allowance=1000 (no bound)", _p(load_allowance=1000)),
+    ("balance_horizon=0 (rendezvous ties)", _p(balance_horizon=0)),
+    ("tie_tokens=0", _p(tie_tokens=0)),
+    ("slack_fraction=0.1", _p(slack_fraction=0.1)),
+    ("slack_fraction=0.5", _p(slack_fraction=0.5)),
+    ("block_chars=128", _p(block_chars=128)),
+    ("block_chars=1024", _p(block_chars=1024)),
+)
 
-def _run(job: tuple[Scenario, str]) -> tuple[Scenario, str, dict[str, Any], float]:
-    sc, policy = job
+
+def _run(job: tuple[Scenario, str] | tuple[Scenario, str, tuple[tuple[str, Any], ...]]
+         ) -> tuple[Scenario, str, dict[str, Any], float]:
+    sc, policy = job[0], job[1]
+    settings = RoutingSettings(**dict(job[2])) if len(job) > 2 else None
     w = _workloads.get(sc)
     if w is None:
         _workloads.clear()  # one workload per process at a time: they are large
@@ -108,7 +131,7 @@ def _run(job: tuple[Scenario, str]) -> tuple[Scenario, str, dict[str, Any], floa
         w = _workloads[sc] = load_workload(trace, sc.workload, speedup=sc.speedup,
                                            params=dict(sc.params))
     t0 = time.perf_counter()
-    report = simulate(w, policy, replicas=sc.replicas)
+    report = simulate(w, policy, replicas=sc.replicas, settings=settings)
     return sc, policy, report, time.perf_counter() - t0
 
 
@@ -159,12 +182,38 @@ def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
     return [*lines, ""]
 
 
+def ablation(jobs: int) -> int:
+    by_key = {f"{sc.name}/{sc.replicas}/{sc.load}": sc for sc in SCENARIOS}
+    scs = [by_key[k] for k in ABLATION_SCENARIOS]
+    work = [(sc, "prefix_affinity", params) for _, params in ABLATION for sc in scs]
+    with Pool(max(1, jobs)) as pool:
+        out = pool.map(_run, work)
+    means = {(id(job[2]), job[0]): rep["ttft_mean_s"] for job, (_, _, rep, _) in
+             zip(work, out, strict=True)}
+    print("prefix_affinity mean TTFT (s) with one default changed at a time; "
+          "`python loadtests/scoreboard.py --ablation`. Each cell is "
+          "`<the scenario's command> --policy prefix_affinity --set KEY=VALUE ...`.\n")
+    print("| variant | " + " | ".join(k.replace("/", " ") for k in ABLATION_SCENARIOS) + " |")
+    print("|---|" + "---:|" * len(scs))
+    for label, params in ABLATION:
+        cells = " | ".join(f"{means[(id(params), sc)]:.3f}" for sc in scs)
+        print(f"| {label} | {cells} |")
+    print("\nScenario commands:\n")
+    for k, sc in zip(ABLATION_SCENARIOS, scs, strict=True):
+        print(f"- {k}: `{sc.command()}`")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
     ap.add_argument("--replicas", type=int, default=0, help="only this fleet size")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--ablation", action="store_true",
+                    help="prefix_affinity with one default changed at a time")
     args = ap.parse_args(argv)
+    if args.ablation:
+        return ablation(args.jobs)
     chosen = [sc for sc in SCENARIOS if args.only in sc.name
               and (not args.replicas or sc.replicas == args.replicas)]
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]

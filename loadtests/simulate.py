@@ -338,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
     ap.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
                     help="synthetic workload parameter, e.g. n_tenants=150 (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    help="gateway RoutingSettings field, e.g. load_weight=1 (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = ap.parse_args(argv)
     if args.replicas < 1:
@@ -346,6 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kv in args.workload_param:
         key, _, value = kv.partition("=")
         params[key] = json.loads(value)
+    overrides: dict[str, Any] = {}
+    for kv in args.settings:
+        key, _, value = kv.partition("=")
+        overrides[key] = json.loads(value)
+    settings = RoutingSettings(**overrides)
     workload = load_workload(args.trace, args.workload, limit=args.limit, speedup=args.speedup,
                              params=params)
     policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
@@ -354,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         report = simulate(workload, name, replicas=args.replicas,
                           kv_capacity_tokens=args.kv_capacity_tokens, profile=args.profile,
-                          max_output=args.max_output, engine_block_tokens=args.engine_block_tokens)
+                          max_output=args.max_output, engine_block_tokens=args.engine_block_tokens,
+                          settings=settings)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {args.replicas} replicas, "
