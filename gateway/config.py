@@ -38,6 +38,10 @@ class RoutingSettings(_Strict):
         4, ge=0, description="prefix_affinity: in-flight requests allowed above ceil(c x mean)"
     )
     load_weight: float = Field(0.5, ge=0.0, description="weight of a replica's queue in the cost")
+    idle_load_weight: float | None = Field(
+        1.5, ge=0.0, description="queue weight when no replica has prefill queued; it moves "
+        "linearly to load_weight as more replicas do (None: always load_weight)"
+    )
     inflight_tokens: float = Field(
         256.0, ge=0.0, description="queue tokens counted per request in flight on a replica"
     )

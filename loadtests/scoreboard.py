@@ -105,8 +105,10 @@ ABLATION_SCENARIOS = ("mooncake/32/light", "mooncake/8/heavy", "tenants/8/heavy"
 ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
     ("defaults", ()),
     ("before tuning (c=1.25, w=1, no in-flight term, rendezvous ties)",
-     _p(load_weight=1, inflight_tokens=0, load_allowance=0, tie_tokens=1e9, balance_horizon=0)),
-    ("load_weight=1", _p(load_weight=1)),
+     _p(load_weight=1, idle_load_weight=1, inflight_tokens=0, load_allowance=0, tie_tokens=1e9,
+        balance_horizon=0)),
+    ("load_weight=1, idle_load_weight=1 (constant 1)", _p(load_weight=1, idle_load_weight=1)),
+    ("idle_load_weight=0.5 (constant 0.5)", _p(idle_load_weight=0.5)),
     ("inflight_tokens=0", _p(inflight_tokens=0)),
     ("load_allowance=0", _p(load_allowance=0)),
     ("load_allowance=1000 (no bound)", _p(load_allowance=1000)),

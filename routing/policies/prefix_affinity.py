@@ -28,9 +28,11 @@ class PrefixAffinity(Policy):
     2. Cost, in prompt tokens: the request's uncached tokens on the replica (from the prefix
        index), plus `load_weight` times the weighted queue there, where the queue is the
        uncached prefill already sent and not yet past first token plus `inflight_tokens` per
-       request in flight (decoding sequences lengthen every engine step). A weight below 1
-       values a hit above an equal amount of queue: a miss is work the whole fleet pays for,
-       which the request's own TTFT does not see.
+       request in flight (decoding sequences lengthen every engine step). The weight moves
+       from `idle_load_weight` when no replica has prefill queued to `load_weight` when all
+       do: on a busy fleet a miss is work that every later request pays for, which the
+       request's own TTFT does not see, so a hit is worth more than an equal amount of queue;
+       on an idle fleet the queue is what the request waits for.
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
     4. Among equally long matches within `tie_tokens` of the cheapest of them, the replica that
@@ -52,6 +54,7 @@ class PrefixAffinity(Policy):
         tie_tokens: float = 512.0,
         load_allowance: int = 0,
         balance_horizon: int = 1000,
+        idle_load_weight: float | None = 1.5,
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (below 1 no replica may take a request)")
@@ -63,6 +66,7 @@ class PrefixAffinity(Policy):
         self.tie_tokens = tie_tokens
         self.load_allowance = max(0, load_allowance)
         self.balance_horizon = balance_horizon
+        self.idle_load_weight = load_weight if idle_load_weight is None else idle_load_weight
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
         self._decisions = 0
@@ -79,7 +83,8 @@ class PrefixAffinity(Policy):
         block_tokens = request.block_tokens
         bound = load_bound(replicas, self.load_factor) + self.load_allowance
         key = request.key
-        w = self.load_weight
+        busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
+        w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
         self._decisions += 1
 
