@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 
+from backends.adapters import Probe
 from backends.pool import Pool, ReplicaState
 from gateway.metrics import GatewayMetrics
 
@@ -18,7 +19,10 @@ class HealthMonitor:
     """Probes each replica's liveness path and scrapes its metrics on a schedule.
 
     A replica leaves rotation after `failure_threshold` failed probes in a row (or at once when
-    a request to it fails to connect) and returns on its first successful probe.
+    a request to it fails to connect) and returns on its first successful probe. Replicas whose
+    probes only timed out stay as a last resort: when a pool has no healthy replica left, they
+    still take traffic (as Envoy's panic mode does), because a gateway starved of CPU must not
+    declare a whole working pool dead.
     """
 
     def __init__(self, pools: list[Pool], http: aiohttp.ClientSession,
@@ -59,16 +63,21 @@ class HealthMonitor:
             await asyncio.gather(*(self._scrape(pool, r) for r in pool.replicas.values()))
 
     async def _probe(self, pool: Pool, r: ReplicaState) -> None:
-        ok = await pool.adapter.probe(self.http, r.base_url, pool.health.timeout_s)
-        if ok:
+        outcome = await pool.adapter.probe(self.http, r.base_url, pool.health.timeout_s)
+        if outcome is Probe.OK:
             if not r.healthy:
                 log.info("replica %s/%s is up", pool.name, r.name)
             r.healthy = True
+            r.suspect = False
             r.failures = 0
             r.last_error = ""
         else:
             r.failures += 1
-            r.last_error = f"health check {pool.adapter.health_path} failed"
+            # A timed-out probe on a starved machine is not proof of death: the replica stays
+            # usable as a last resort (Pool.healthy_views) until it refuses or answers non-200.
+            r.suspect = outcome is Probe.TIMEOUT
+            r.last_error = (f"health check {pool.adapter.health_path} "
+                            f"{'timed out' if r.suspect else 'failed'}")
             if r.failures >= pool.health.failure_threshold:
                 if r.healthy:
                     log.warning("replica %s/%s is down: %s", pool.name, r.name, r.last_error)
@@ -91,11 +100,13 @@ class HealthMonitor:
         if snap.kv_usage is not None:
             m.engine_kv_usage.labels(pool.name, r.name).set(snap.kv_usage)
 
-    def mark_failed(self, pool: Pool, r: ReplicaState, error: str) -> None:
+    def mark_failed(self, pool: Pool, r: ReplicaState, error: str,
+                    suspect: bool = False) -> None:
         """A request could not reach the replica: take it out of rotation until a probe passes."""
         if r.healthy:
             log.warning("replica %s/%s is down: %s", pool.name, r.name, error)
         r.healthy = False
+        r.suspect = suspect
         r.failures = max(r.failures, pool.health.failure_threshold)
         r.last_error = error
         self.metrics.replica_up.labels(pool.name, r.name).set(0)

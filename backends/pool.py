@@ -23,6 +23,8 @@ class ReplicaState:
         self.auth = f"Bearer {api_key}" if api_key else None
         # Unknown until the first probe; the gateway probes every replica before serving.
         self.healthy = False
+        self.suspect = False
+        """Out of rotation only because health checks timed out (not refused, not 503)."""
         self.failures = 0
         self.last_error = ""
         self.snapshot: EngineSnapshot | None = None
@@ -81,10 +83,16 @@ class Pool:
         self.load = LoadTracker()
 
     def healthy_views(self, model: str, exclude: tuple[str, ...] = ()) -> list[ReplicaView]:
+        """Healthy replicas serving `model`; if none, those whose health checks only timed out."""
+        views = self._views(model, exclude, suspects=False)
+        return views or self._views(model, exclude, suspects=True)
+
+    def _views(self, model: str, exclude: tuple[str, ...], suspects: bool) -> list[ReplicaView]:
         views = []
         load = self.load
         for r in self.replicas.values():
-            if r.healthy and model in r.models and r.name not in exclude:
+            usable = r.suspect if suspects else r.healthy
+            if usable and model in r.models and r.name not in exclude:
                 v = load.view(r.name)
                 snap = r.snapshot
                 if snap is not None:

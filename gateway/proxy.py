@@ -171,7 +171,7 @@ class InferenceEndpoint:
         for attempt, name in enumerate(candidates):
             replica = pool.replicas[name]
             if attempt:
-                if not replica.healthy:
+                if not (replica.healthy or replica.suspect):
                     continue
                 pool.router.record(name, request.hashes)
                 obs.retried(pool.name, name)
@@ -219,7 +219,8 @@ class InferenceEndpoint:
                                              headers=headers, timeout=self.timeout)
             except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
                 detail = f"{name}: {type(exc).__name__}: {exc}".rstrip(": ")
-                state.monitor.mark_failed(pool, replica, detail)
+                state.monitor.mark_failed(pool, replica, detail,
+                                          suspect=isinstance(exc, TimeoutError))
                 return detail
             if resp.status in _RETRYABLE and not final:
                 detail = f"{name}: HTTP {resp.status}"

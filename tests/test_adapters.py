@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import orjson
 
-from backends.adapters import TrtllmAdapter, VllmAdapter, adapter_for
+from backends.adapters import Probe, TrtllmAdapter, VllmAdapter, adapter_for
 from backends.adapters.trtllm import parse_iteration_stats, parse_trtllm_prometheus
 from backends.adapters.vllm import parse_vllm_metrics
 from backends.pool import ReplicaState
@@ -122,8 +122,8 @@ def test_adapters_against_simulated_replicas(tmp_path) -> None:
                             {"model": "tiny", "prompt": prompt, "max_tokens": 2})) as resp:
                         assert resp.status == 200
             vllm, trt = VllmAdapter(), TrtllmAdapter()
-            assert await vllm.probe(http, sims.urls[0], 2)
-            assert await trt.probe(http, sims.urls[1], 2)
+            assert await vllm.probe(http, sims.urls[0], 2) is Probe.OK
+            assert await trt.probe(http, sims.urls[1], 2) is Probe.OK
             v = await vllm.scrape(http, sims.urls[0], 2)
             assert v.prefix_hit_tokens > 0 and v.block_size == 16
             t = await trt.scrape(http, sims.urls[1], 2)
@@ -132,7 +132,7 @@ def test_adapters_against_simulated_replicas(tmp_path) -> None:
             p = await trt.scrape(http, perf.urls[0], 2)
             assert p.source == "trtllm:prometheus-trtllm_-names"
             assert p.prefix_hit_tokens > 0
-            assert not await vllm.probe(http, "http://127.0.0.1:9", 1)
+            assert await vllm.probe(http, "http://127.0.0.1:9", 1) is Probe.DEAD
 
     try:
         asyncio.run(run())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.adapters.base import EngineAdapter, EngineSnapshot, Probe
 from backends.adapters.trtllm import TrtllmAdapter
 from backends.adapters.vllm import VllmAdapter
 
@@ -16,4 +16,11 @@ def adapter_for(kind: str) -> EngineAdapter:
     raise ValueError(f"unknown engine kind {kind!r}; expected vllm, trtllm or sim")
 
 
-__all__ = ["EngineAdapter", "EngineSnapshot", "TrtllmAdapter", "VllmAdapter", "adapter_for"]
+__all__ = [
+    "EngineAdapter",
+    "EngineSnapshot",
+    "Probe",
+    "TrtllmAdapter",
+    "VllmAdapter",
+    "adapter_for",
+]

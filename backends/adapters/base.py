@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -34,6 +35,14 @@ class EngineSnapshot:
         return None
 
 
+class Probe(enum.Enum):
+    """A liveness check's outcome; a timeout is weaker evidence than a refusal or a 503."""
+
+    OK = "ok"
+    DEAD = "dead"
+    TIMEOUT = "timeout"
+
+
 class EngineAdapter(ABC):
     """Engine-specific knowledge (paths, metric names) lives only behind this interface."""
 
@@ -41,15 +50,17 @@ class EngineAdapter(ABC):
     health_path: str = "/health"
     default_block_size: int = 16
 
-    async def probe(self, http: aiohttp.ClientSession, base_url: str, timeout: float) -> bool:
-        """True when the engine answers its liveness check with 200."""
+    async def probe(self, http: aiohttp.ClientSession, base_url: str, timeout: float) -> Probe:
+        """OK when the engine answers its liveness check with 200."""
         try:
             async with http.get(base_url + self.health_path,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 await resp.read()
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return False
+                return Probe.OK if resp.status == 200 else Probe.DEAD
+        except TimeoutError:
+            return Probe.TIMEOUT
+        except (aiohttp.ClientError, OSError):
+            return Probe.DEAD
 
     @abstractmethod
     async def scrape(
