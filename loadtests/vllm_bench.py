@@ -430,7 +430,7 @@ def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
                            env={"PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     try:
-        processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
+        processes.wait_healthy([url], [proc], deadline_s=180, path="/ready")
     except RuntimeError as exc:
         processes.stop_all([proc])
         raise RuntimeError(f"gateway did not become ready: {exc}\n"
