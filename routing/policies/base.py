@@ -46,3 +46,17 @@ def within_bound(replicas: Sequence[ReplicaView], factor: float) -> list[Replica
     bound = load_bound(replicas, factor)
     fits = [r for r in replicas if r.inflight + 1 <= bound]
     return fits or [min(replicas, key=lambda r: r.inflight)]
+
+
+def decide(request: RoutingRequest, lookup: PrefixLookup, replica: str, reason: str,
+           fallbacks: list[str]) -> Decision:
+    """A decision for `replica`, with what its index says it holds of the request's prefix."""
+    matched = lookup.matched_blocks(replica, request.hashes)
+    return Decision(
+        replica=replica,
+        reason=reason,
+        matched_blocks=matched,
+        total_blocks=len(request.hashes),
+        uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
+        fallbacks=fallbacks,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routing import rendezvous
-from routing.policies.base import Policy, PrefixLookup, load_bound
+from routing.policies.base import Policy, PrefixLookup, decide, load_bound
 from routing.types import REASON_HASH, REASON_OVERFLOW, Decision, ReplicaView, RoutingRequest
 
 
@@ -26,12 +26,4 @@ class ConsistentHash(Policy):
         if chosen is None:
             chosen = min(ranked, key=lambda n: by_name[n].inflight)
         reason = REASON_HASH if chosen == ranked[0] else REASON_OVERFLOW
-        matched = lookup.matched_blocks(chosen, request.hashes)
-        return Decision(
-            replica=chosen,
-            reason=reason,
-            matched_blocks=matched,
-            total_blocks=len(request.hashes),
-            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
-            fallbacks=[n for n in ranked if n != chosen],
-        )
+        return decide(request, lookup, chosen, reason, [n for n in ranked if n != chosen])

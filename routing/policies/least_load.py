@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routing import rendezvous
-from routing.policies.base import Policy, PrefixLookup
+from routing.policies.base import Policy, PrefixLookup, decide
 from routing.types import REASON_LEAST_LOAD, Decision, ReplicaView, RoutingRequest
 
 
@@ -25,13 +25,5 @@ class LeastLoad(Policy):
                 -rendezvous.weight(request.key, r.name),
             ),
         )
-        chosen = ordered[0]
-        matched = lookup.matched_blocks(chosen.name, request.hashes)
-        return Decision(
-            replica=chosen.name,
-            reason=REASON_LEAST_LOAD,
-            matched_blocks=matched,
-            total_blocks=len(request.hashes),
-            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
-            fallbacks=[r.name for r in ordered[1:]],
-        )
+        return decide(request, lookup, ordered[0].name, REASON_LEAST_LOAD,
+                      [r.name for r in ordered[1:]])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from routing.policies.base import Policy, PrefixLookup
+from routing.policies.base import Policy, PrefixLookup, decide
 from routing.types import REASON_ROUND_ROBIN, Decision, ReplicaView, RoutingRequest
 
 
@@ -20,14 +20,6 @@ class RoundRobin(Policy):
         ordered = sorted(replicas, key=lambda r: r.name)
         i = self._cursor % len(ordered)
         self._cursor += 1
-        chosen = ordered[i]
-        matched = lookup.matched_blocks(chosen.name, request.hashes)
         rest = ordered[i + 1 :] + ordered[:i]
-        return Decision(
-            replica=chosen.name,
-            reason=REASON_ROUND_ROBIN,
-            matched_blocks=matched,
-            total_blocks=len(request.hashes),
-            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
-            fallbacks=[r.name for r in rest],
-        )
+        return decide(request, lookup, ordered[i].name, REASON_ROUND_ROBIN,
+                      [r.name for r in rest])
