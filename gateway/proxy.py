@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from time import perf_counter
 from typing import Any
 
@@ -17,6 +18,8 @@ from gateway.state import GatewayState
 from gateway.tokens import engine_token_request
 from routing.prompt import render_chat, render_completion
 from routing.types import Decision, RoutingRequest
+
+log = logging.getLogger("prefix_gateway.proxy")
 
 _RETRYABLE = frozenset((502, 503, 504))
 _JSON = [(b"content-type", b"application/json")]
@@ -100,6 +103,18 @@ class InferenceEndpoint:
         self.internal_stream = cfg.non_streaming_ttft
 
     async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self._handle(scope, receive, send)
+        except Exception:
+            # A bug must still answer in OpenAI's shape (and be logged), never hang the client.
+            # If the response had already started, the server refuses a second start: ignore.
+            log.exception("unhandled error on %s", self.path)
+            with contextlib.suppress(Exception):
+                await send_error(send, GatewayError(500, "The gateway failed to handle this "
+                                                   "request; it has been logged.",
+                                                   type="internal_error", code="internal_error"))
+
+    async def _handle(self, scope, receive, send) -> None:
         t0 = perf_counter()
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"Use POST for {self.path}.",

@@ -185,3 +185,30 @@ def test_models_health_and_ready(fleet, http) -> None:
     assert [m.id for m in models.data] == ["tiny"]
     missing = http.get(gw.url + "/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+WEIRD_BODIES = [
+    b"", b"null", b'""', b"[]", b"\xff\xfe\x00", b"{" * 2000, b'{"model": 5, "messages": []}',
+    b'{"model": "tiny", "messages": "hi"}', b'{"model": "tiny", "messages": [1]}',
+    b'{"model": "tiny", "messages": [{"content": "no role"}]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+    b'{"model": "", "messages": [{"role": "user", "content": "x"}]}',
+]
+
+
+@pytest.mark.parametrize("body", WEIRD_BODIES)
+def test_malformed_bodies_never_get_a_5xx(fleet, http, body) -> None:
+    gw, _ = fleet
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = http.post(gw.url + path, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (path, body[:40], r.status_code, r.text[:200])
+        assert r.json()["error"]["message"]
+
+
+def test_wrong_method_and_oversized_body(fleet, http) -> None:
+    gw, _ = fleet
+    r = http.get(gw.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (33 * 1024 * 1024) + b'"}'
+    r = http.post(gw.url + "/v1/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
