@@ -309,11 +309,22 @@ async def sample_engines(urls: Sequence[str], stop: asyncio.Event, out: list[lis
 # -- one run ---------------------------------------------------------------------------------
 
 
-def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str) -> dict[str, Any]:
+def parse_variant(variant: str) -> tuple[str, str, float | None]:
+    """``policy[+hashing][@chars_per_token]`` -> (policy, hashing, chars_per_token)."""
+    head, _, cpt = variant.partition("@")
+    policy, _, mode = head.partition("+")
+    return policy, mode or "chars", float(cpt) if cpt else None
+
+
+def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str,
+                   chars_per_token: float | None = None) -> dict[str, Any]:
     """One pool of the vLLM replicas with this policy and hashing mode."""
+    routing: dict[str, Any] = {"policy": policy, "hashing": hashing}
+    if chars_per_token:
+        routing["chars_per_token"] = chars_per_token
     return {
         "server": {"host": "127.0.0.1", "port": port},
-        "routing": {"policy": policy, "hashing": hashing},
+        "routing": routing,
         "pools": [{"name": "bench", "engine": "vllm", "models": [MODEL],
                    "replicas": [{"name": f"vllm-{i}", "url": u} for i, u in enumerate(urls)],
                    "health": {"interval_s": 1.0, "metrics_interval_s": 0.5}}],
@@ -419,11 +430,11 @@ def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str,
 
 
 def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
-                  name: str) -> tuple[str, Any]:
+                  name: str, chars_per_token: float | None = None) -> tuple[str, Any]:
     """Spawn `gateway.cli serve` with a generated config; wait for /ready."""
     port = processes.free_ports(1)[0]
     cfg = log_dir / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, policy, hashing)))
+    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, policy, hashing, chars_per_token)))
     log_path = log_dir / f"{name}.log"
     proc = processes.spawn([processes.python(), "-m", "gateway.cli", "serve", "--config",
                             str(cfg), "--log-level", "warning"], str(log_path),
@@ -441,15 +452,15 @@ def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
 def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.Namespace,
                 log_dir: Path, tag: str) -> dict[str, Any]:
     """One gateway process, one workload run, for a policy[+engine_tokens] variant."""
-    policy, _, mode = variant.partition("+")
-    hashing = mode or "chars"
-    gw_url, proc = start_gateway(urls, policy, hashing, log_dir, f"gw-{tag}-{policy}-{hashing}")
+    policy, hashing, cpt = parse_variant(variant)
+    gw_url, proc = start_gateway(urls, policy, hashing, log_dir,
+                                 f"gw-{tag}-{policy}-{hashing}-{cpt or ''}", cpt)
     try:
         res = run_async(run_once(urls, gw_url, wl, args.concurrency, args.max_tokens,
                                  tokenize_probe=hashing == "engine_tokens"))
     finally:
         processes.stop_all([proc])
-    res.update(variant=variant, policy=policy, hashing=hashing)
+    res.update(variant=variant, policy=policy, hashing=hashing, chars_per_token=cpt)
     return res
 
 
@@ -651,7 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV bytes per token of the model (default model: 16 KiB)")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     p.add_argument("--tokenize-trials", type=int, default=30)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated policy[+hashing][@chars_per_token], e.g. "
+                   "prefix_affinity+engine_tokens or prefix_affinity@2.2")
     p.add_argument("--no-control", action="store_true")
     p.add_argument("--no-pressure", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON last")
@@ -681,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["pressured"], wl = phase("pressured", args, model_dir, blocks,
                                                 variants, wl, log_dir)
             if not args.no_control:
-                ctl = [v for v in variants if v != "prefix_affinity+engine_tokens"]
+                ctl = [v for v in variants if parse_variant(v)[1] == "chars"]
                 report["control"], wl = phase("control", args, model_dir, args.control_blocks,
                                               ctl, wl, log_dir)
     except KeyboardInterrupt:
