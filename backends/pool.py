@@ -81,6 +81,8 @@ class Pool:
             key_blocks=routing.key_blocks,
         )
         self.load = LoadTracker()
+        self._cpt_samples = 0
+        self._cpt_estimate = routing.chars_per_token
 
     def healthy_views(self, model: str, exclude: tuple[str, ...] = ()) -> list[ReplicaView]:
         """Healthy replicas serving `model`; if none, those whose health checks only timed out."""
@@ -101,6 +103,26 @@ class Pool:
                 views.append(v)
         return views
 
+    def observe_prompt_tokens(self, prompt_chars: int, prompt_tokens: int) -> None:
+        """Learn the engine's characters per token from what it reports it tokenised.
+
+        Token estimates from characters size the prefix index against the engine's KV capacity
+        (in tokens) and weigh cache hits against queues: a tokenizer at 2.2 characters per token
+        read as 4 makes the index believe it holds 1.8x what the engine really keeps.
+        """
+        if not self.settings.learn_chars_per_token or prompt_chars <= 0 or prompt_tokens <= 0:
+            return
+        sample = prompt_chars / prompt_tokens
+        n = self._cpt_samples = self._cpt_samples + 1
+        # A running mean for the first samples, then an exponential one that follows drift.
+        alpha = max(1.0 / n, 0.02)
+        self._cpt_estimate += alpha * (sample - self._cpt_estimate)
+        used = self.router.chars_per_token
+        if n >= 8 and abs(self._cpt_estimate - used) > 0.1 * used:
+            self.router.chars_per_token = self._cpt_estimate
+            for r in self.replicas.values():
+                self.apply_engine_capacity(r)
+
     def token_block_size(self) -> int:
         """Tokens per hashed block in engine_tokens mode: configured, else the engine's own."""
         if self.settings.token_block_size:
@@ -119,5 +141,5 @@ class Pool:
             if s.hashing == "engine_tokens":
                 blocks = cap // self.token_block_size()
             else:
-                blocks = int(cap * s.chars_per_token / s.block_chars)
+                blocks = int(cap * self.router.chars_per_token / s.block_chars)
             self.router.resize_index(replica.name, max(1, blocks))

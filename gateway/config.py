@@ -32,7 +32,12 @@ class RoutingSettings(_Strict):
         "prefix_affinity"
     )
     block_chars: int = Field(256, ge=16, le=65536, description="characters per hashed block")
-    chars_per_token: float = Field(4.0, gt=0, description="to estimate tokens from characters")
+    chars_per_token: float = Field(
+        4.0, gt=0, description="to estimate tokens from characters (a first guess when learned)"
+    )
+    learn_chars_per_token: bool = Field(
+        True, description="learn chars_per_token from the replicas' usage.prompt_tokens"
+    )
     load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c")
     load_allowance: int = Field(
         4, ge=0, description="prefix_affinity: in-flight requests allowed above ceil(c x mean)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -82,6 +83,22 @@ def _validate(payload: Any, chat: bool) -> tuple[str, bool]:
             raise bad_request("'prompt' must be a string, an array of strings or of tokens.",
                               "prompt", "invalid_type")
     return model, bool(stream)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request on its way through the attempts."""
+
+    t0: float
+    pool: Pool
+    cls: str
+    request: RoutingRequest
+    body: bytes
+    headers: dict[str, str]
+    client_auth: str | None
+    stream: bool
+    aggregate: bool
+    decision: Decision | None = None
 
 
 class InferenceEndpoint:
@@ -165,21 +182,21 @@ class InferenceEndpoint:
         for h in _FORWARD_HEADERS:
             if h in headers:
                 fwd_headers[h.decode()] = headers[h].decode("latin-1")
-        client_auth = headers.get(b"authorization")
-        await self._forward(scope, receive, send, t0, pool, cls, model, request, upstream_body,
-                            fwd_headers, client_auth, stream, aggregate)
+        auth = headers.get(b"authorization")
+        call = _Call(t0, pool, cls, request, upstream_body, fwd_headers,
+                     auth.decode("latin-1") if auth else None, stream, aggregate)
+        await self._forward(receive, send, call, model)
 
-    async def _forward(self, scope, receive, send, t0: float, pool: Pool, cls: str, model: str,
-                       request: RoutingRequest, upstream_body: bytes, fwd_headers: dict,
-                       client_auth: bytes | None, stream: bool, aggregate: bool) -> None:
+    async def _forward(self, receive, send, call: _Call, model: str) -> None:
         state = self.state
         obs = state.observer
+        pool, cls, t0, request = call.pool, call.cls, call.t0, call.request
         views = pool.healthy_views(model)
         if not views:
             await send_error(send, no_replica(pool.name))
             obs.finished(pool.name, "none", cls, "503", perf_counter() - t0, None, 0, 0.0)
             return
-        decision = pool.router.route(request, views)
+        decision = call.decision = pool.router.route(request, views)
         obs.decided(pool.name, pool.policy_name, cls, decision)
         candidates = [decision.replica, *decision.fallbacks][: self.max_attempts]
         last_error = ""
@@ -195,9 +212,7 @@ class InferenceEndpoint:
             else:
                 uncached = decision.uncached_tokens
             final = attempt == len(candidates) - 1
-            outcome = await self._attempt(scope, receive, send, t0, pool, replica, cls,
-                                          decision, upstream_body, fwd_headers, client_auth,
-                                          stream, aggregate, uncached, final)
+            outcome = await self._attempt(receive, send, call, replica, uncached, final)
             if outcome is None:
                 return
             last_error = outcome
@@ -205,12 +220,12 @@ class InferenceEndpoint:
         await send_error(send, err)
         obs.finished(pool.name, decision.replica, cls, "502", perf_counter() - t0, None, 0, 0.0)
 
-    async def _attempt(self, scope, receive, send, t0: float, pool: Pool, replica: ReplicaState,
-                       cls: str, decision: Decision, upstream_body: bytes, fwd_headers: dict,
-                       client_auth: bytes | None, stream: bool, aggregate: bool,
-                       uncached: float, final: bool) -> str | None:
+    async def _attempt(self, receive, send, call: _Call, replica: ReplicaState, uncached: float,
+                       final: bool) -> str | None:
         """One try on one replica. Returns None when the client got its answer, else an error
         description (nothing was sent to the client, so the caller may try elsewhere)."""
+        pool, cls, t0, decision = call.pool, call.cls, call.t0, call.decision
+        stream, aggregate, upstream_body = call.stream, call.aggregate, call.body
         state = self.state
         obs = state.observer
         load = pool.load
@@ -220,11 +235,10 @@ class InferenceEndpoint:
         saw_first = False
         status = "error"
         watcher = StreamWatcher(keep=aggregate)
-        headers = fwd_headers
-        if replica.auth:
-            headers = {**fwd_headers, "Authorization": replica.auth}
-        elif client_auth:
-            headers = {**fwd_headers, "Authorization": client_auth.decode("latin-1")}
+        headers = call.headers
+        auth = replica.auth or call.client_auth
+        if auth:
+            headers = {**headers, "Authorization": auth}
         disconnect: asyncio.Task | None = None
         resp: aiohttp.ClientResponse | None = None
         started = False
@@ -320,6 +334,10 @@ class InferenceEndpoint:
                 resp.release()
             load.finished(name, uncached, saw_first)
             obs.inflight(pool.name, name, -1)
+            if watcher.usage and call.request.prompt_chars:
+                tokens = watcher.usage.get("prompt_tokens")
+                if isinstance(tokens, int):
+                    pool.observe_prompt_tokens(call.request.prompt_chars, tokens)
             if status != "error":
                 now = perf_counter()
                 ttft = watcher.first_token_at - t0 if watcher.first_token_at else None

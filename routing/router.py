@@ -55,9 +55,11 @@ class Router:
     def request_from_text(self, text: str, traffic_class: str = "") -> RoutingRequest:
         """Hash a canonical prompt once; every later step reuses the hashes."""
         hashes = char_block_hashes(text, self.block_chars)
-        return self.request_from_hashes(hashes, len(text) / self.chars_per_token,
-                                        self.block_chars / self.chars_per_token,
-                                        text=text, traffic_class=traffic_class)
+        request = self.request_from_hashes(hashes, len(text) / self.chars_per_token,
+                                           self.block_chars / self.chars_per_token,
+                                           text=text, traffic_class=traffic_class)
+        request.prompt_chars = len(text)
+        return request
 
     def request_from_hashes(
         self,

@@ -17,6 +17,8 @@ class RoutingRequest:
     key: int
     """Stable key of the request's leading prefix, for rendezvous hashing."""
     traffic_class: str = ""
+    prompt_chars: int = 0
+    """Characters of the canonical prompt, when hashed as characters (else 0)."""
 
 
 @dataclass(slots=True)
