@@ -14,12 +14,12 @@ drives the gateway's own. They live in loadtests/ because they are yardsticks, n
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from backends.sim.model import EngineModel
 from routing import rendezvous
 from routing.policies.base import Policy, PrefixLookup
+from routing.prefix_index import PrefixIndex
 from routing.types import (
     REASON_AFFINITY,
     REASON_LEAST_LOAD,
@@ -120,43 +120,6 @@ class Oracle(Policy):
         self._queued_hit = {k: v for k, v in self._queued_hit.items() if k in live}
 
 
-class _TenantTree:
-    """One worker's share of SGLang's approximate radix tree, over chained character blocks.
-
-    SGLang keeps a character radix tree with workers as tenants. Prompts in the traces diverge
-    only at block boundaries, so chained hashes of the router's character blocks give the same
-    matched length to within one block. Each block remembers when this worker last saw it, which
-    breaks ties between workers holding the same prefix.
-    """
-
-    __slots__ = ("blocks", "capacity")
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity = capacity_blocks
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def match(self, hashes: Sequence[int]) -> int:
-        n = 0
-        blocks = self.blocks
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, hashes: Sequence[int]) -> None:
-        blocks = self.blocks
-        for h in reversed(hashes):
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
-        # SGLang evicts LRU leaves down to max_tree_size characters every 60 s; evicting at
-        # insert time is the same budget without the timer (never reached on these traces).
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
-
-
 class SGLangCacheAware(Policy):
     """Emulated SGLang router `cache_aware` (sglang-router 0.3.x CLI defaults).
 
@@ -183,12 +146,16 @@ class SGLangCacheAware(Policy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.tree_blocks = max(1, max_tree_size // block_chars)
-        self.trees: dict[str, _TenantTree] = {}
+        # One worker's share of SGLang's character radix tree, as chained character blocks:
+        # prompts here diverge only at block boundaries, so the matched length is the same to
+        # within one block. SGLang evicts LRU leaves down to max_tree_size every 60 s; an LRU
+        # bounded at insert is the same budget without the timer.
+        self.trees: dict[str, PrefixIndex] = {}
 
-    def _tree(self, name: str) -> _TenantTree:
+    def _tree(self, name: str) -> PrefixIndex:
         tree = self.trees.get(name)
         if tree is None:
-            tree = self.trees[name] = _TenantTree(self.tree_blocks)
+            tree = self.trees[name] = PrefixIndex(self.tree_blocks)
         return tree
 
     def choose(
