@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -56,11 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from gateway import processes
     from gateway.defaults import default_config
 
     n_rt, n_bt = args.realtime_replicas, args.batch_replicas
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default disposition the
+    # process would die there, before the `finally` below stops the replicas it started.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="prefix-gateway-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list = []
@@ -88,7 +96,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             engines = start_replicas(n_rt + n_bt, model_dir=model_dir,
                                      base_port=args.engine_base_port,
                                      served_model_name=args.model, log_dir=str(log_dir),
-                                     kv_cache_gib=args.kv_cache_gib)
+                                     kv_cache_gib=args.kv_cache_gib, die_with_parent=True)
             urls = [h.url for h in engines]
             # Both pools are vLLM here: trtllm-serve cannot run without an NVIDIA GPU.
             config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,

@@ -122,3 +122,4 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
         finally:
             gw.stop()
     assert hit_tokens["prefix_affinity"] > hit_tokens["round_robin"], hit_tokens
+

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -63,6 +64,12 @@ INSTALL_SH = REPO_ROOT / "deploy" / "vllm-cpu" / "install.sh"
 
 # Env vars that would silently override what start_replicas() was asked for.
 _OVERRIDING_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+
+
+def _sigterm_on_parent_death() -> None:
+    """Linux: SIGTERM this child when the process that started it dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class ReplicaStartError(RuntimeError):
@@ -308,6 +315,7 @@ def start_replicas(
     extra_args: list[str] | None = None,
     startup_timeout: float = 420.0,
     stagger_s: float = 0.0,
+    die_with_parent: bool = False,
 ) -> list[ReplicaProcess]:
     """Start ``n`` vLLM API servers on ports ``base_port .. base_port+n-1``; wait for /health.
 
@@ -328,6 +336,8 @@ def start_replicas(
       via ``VLLM_CPU_OMP_THREADS_BIND``; ``None`` leaves vLLM's "auto"; or a list with one
       value per replica (a cpu list like "0-1", or "nobind").
     * ``extra_env`` is applied last and wins over everything above.
+    * ``die_with_parent``: each API server gets SIGTERM when the calling process dies, even by
+      SIGKILL (Linux PR_SET_PDEATHSIG), so a killed caller leaves no engine behind.
 
     Replicas are started concurrently (``stagger_s`` delays each start) and all must answer
     ``GET /health`` with 200 before ``startup_timeout``; otherwise every replica started is
@@ -414,6 +424,7 @@ def start_replicas(
             popen = subprocess.Popen(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=str(log_root), start_new_session=True,
+                preexec_fn=_sigterm_on_parent_death if die_with_parent else None,
             )
             logf.close()
             t_spawn[i] = time.monotonic()
