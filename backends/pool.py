@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -9,6 +10,8 @@ from backends.adapters import EngineAdapter, EngineSnapshot, adapter_for
 from gateway.config import PoolConfig, RoutingSettings
 from routing import LoadTracker, Router, build_policy
 from routing.types import ReplicaView
+
+log = logging.getLogger("prefix_gateway.pool")
 
 
 class ReplicaState:
@@ -119,6 +122,8 @@ class Pool:
         self._cpt_estimate += alpha * (sample - self._cpt_estimate)
         used = self.router.chars_per_token
         if n >= 8 and abs(self._cpt_estimate - used) > 0.1 * used:
+            log.info("pool %s: %.2f characters per token (was %.2f); resizing prefix indexes",
+                     self.name, self._cpt_estimate, used)
             self.router.chars_per_token = self._cpt_estimate
             for r in self.replicas.values():
                 self.apply_engine_capacity(r)

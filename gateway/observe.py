@@ -43,6 +43,9 @@ class Observer:
             s.miss_blocks += missed
             self._child(self.m.match_fraction, pool).observe(d.matched_fraction)
 
+    def chars_per_token(self, pool: str, value: float) -> None:
+        self._child(self.m.chars_per_token, pool).set(value)
+
     def retried(self, pool: str, replica: str) -> None:
         self._child(self.m.retries, pool, replica).inc()
 

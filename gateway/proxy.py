@@ -338,6 +338,7 @@ class InferenceEndpoint:
                 tokens = watcher.usage.get("prompt_tokens")
                 if isinstance(tokens, int):
                     pool.observe_prompt_tokens(call.request.prompt_chars, tokens)
+                    obs.chars_per_token(pool.name, pool.router.chars_per_token)
             if status != "error":
                 now = perf_counter()
                 ttft = watcher.first_token_at - t0 if watcher.first_token_at else None

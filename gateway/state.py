@@ -36,6 +36,7 @@ class GatewayState:
                                           skip_auto_headers=("User-Agent",))
         self.monitor = HealthMonitor(self.pools, self.http, self.metrics)
         for pool in self.pools:
+            self.metrics.chars_per_token.labels(pool.name).set(pool.router.chars_per_token)
             for r in pool.replicas.values():
                 self.metrics.replica_up.labels(pool.name, r.name).set(0)
                 self.metrics.inflight.labels(pool.name, r.name).set(0)

@@ -100,6 +100,9 @@ def test_metrics_have_ttft_for_both_pools_and_estimated_hits(fleet) -> None:
     reasons = {s.labels["reason"] for s in samples
                if s.name == "gateway_routing_decisions_total" and s.value > 0}
     assert "affinity" in reasons
+    # The simulated engines count one token per 4 bytes; the pools learn that.
+    cpt = {s.labels["pool"]: s.value for s in samples if s.name == "gateway_chars_per_token"}
+    assert set(cpt) == {"realtime", "batch"} and 3.5 < cpt["realtime"] < 4.5
     up = {s.labels["replica"]: s.value for s in samples if s.name == "gateway_replica_up"}
     assert up == {"rt-0": 1, "rt-1": 1, "rt-2": 1, "bt-0": 1, "bt-1": 1}
     # The engines' own hit ratio, read from their metrics (vLLM names and trtllm JSON stats).
