@@ -198,11 +198,15 @@ class InferenceEndpoint:
             return
         decision = call.decision = pool.router.route(request, views)
         obs.decided(pool.name, pool.policy_name, cls, decision)
-        candidates = [decision.replica, *decision.fallbacks][: self.max_attempts]
+        candidates = [decision.replica, *decision.fallbacks]
         last_error = ""
-        for attempt, name in enumerate(candidates):
+        tried = 0
+        for i, name in enumerate(candidates):
+            if tried == self.max_attempts:
+                break
             replica = pool.replicas[name]
-            if attempt:
+            if tried:
+                # Skip fallbacks that failed meanwhile; they do not use up an attempt.
                 if not (replica.healthy or replica.suspect):
                     continue
                 pool.router.record(name, request.hashes)
@@ -211,7 +215,8 @@ class InferenceEndpoint:
                     name, request.hashes) * request.block_tokens)
             else:
                 uncached = decision.uncached_tokens
-            final = attempt == len(candidates) - 1
+            tried += 1
+            final = tried == self.max_attempts or i == len(candidates) - 1
             outcome = await self._attempt(receive, send, call, replica, uncached, final)
             if outcome is None:
                 return
