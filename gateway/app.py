@@ -89,7 +89,7 @@ def build_admin(state: GatewayState) -> FastAPI:
     @app.get("/admin/stats")
     async def stats() -> dict[str, Any]:
         """Per pool and replica: health, load, hit ratios, TTFT, decisions by reason."""
-        return state.stats.snapshot(state.pools, {})
+        return state.stats.snapshot(state.pools)
 
     @app.get("/admin", response_class=HTMLResponse)
     async def page() -> HTMLResponse:

@@ -33,7 +33,7 @@ class StatsRecorder:
             s = self.replicas[name] = ReplicaStats()
         return s
 
-    def snapshot(self, pools: list[Pool], policies: dict[str, str]) -> dict[str, Any]:
+    def snapshot(self, pools: list[Pool]) -> dict[str, Any]:
         out: dict[str, Any] = {"pools": []}
         for pool in pools:
             reps = []
@@ -63,7 +63,7 @@ class StatsRecorder:
             out["pools"].append({
                 "name": pool.name,
                 "engine": pool.engine,
-                "policy": policies.get(pool.name, pool.policy_name),
+                "policy": pool.policy_name,
                 "models": sorted(pool.models),
                 "traffic_classes": dict(self.classes.get(pool.name, Counter())),
                 "decisions_by_reason": dict(self.decisions.get(pool.name, Counter())),
