@@ -186,6 +186,8 @@ def test_models_health_and_ready(fleet, http) -> None:
     assert ready.status_code == 200 and ready.json()["ready"] is True
     models = client(gw.url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    page = http.get(gw.url + "/admin")
+    assert page.status_code == 200 and "/admin/stats" in page.text
     missing = http.get(gw.url + "/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
