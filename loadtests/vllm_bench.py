@@ -638,8 +638,10 @@ def target(agg: dict[str, Any]) -> dict[str, Any] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--tenants", type=int, default=6)
+    # Three replicas: with two, round_robin's caches still keep about half of what is reused,
+    # which caps the hit-ratio gain near 2x (docs/vllm-bench.md, "Three replicas").
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=9)
     p.add_argument("--system-min", type=int, default=1500, help="shortest system prompt, tokens")
     p.add_argument("--system-max", type=int, default=2500, help="longest system prompt, tokens")
     p.add_argument("--users", type=int, default=3, help="users per tenant")
@@ -653,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pressure-blocks", type=int, default=0,
                    help="KV blocks per replica under pressure (0: from the workload: the "
                    "system prompts' blocks x pressure-fraction)")
-    p.add_argument("--pressure-fraction", type=float, default=0.7,
+    p.add_argument("--pressure-fraction", type=float, default=0.465,
                    help="per-replica cache as a fraction of all system prompts' blocks")
     p.add_argument("--control-blocks", type=int, default=512,
                    help="KV blocks per replica in the control run (holds everything)")
