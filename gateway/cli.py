@@ -79,7 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             kinds = ["vllm"] * n_rt + ["trtllm"] * n_bt
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for i, (port, kind) in enumerate(zip(ports, kinds, strict=True)):
-                cmd = [processes.python(), "-m", "backends.sim", "--port", str(port),
+                cmd = [sys.executable, "-m", "backends.sim", "--port", str(port),
                        "--kind", kind, "--model", args.model, "--profile", args.profile,
                        "--time-scale", str(args.time_scale), "--name", f"sim-{kind}-{i}"]
                 procs.append(processes.spawn(cmd, str(log_dir / f"sim-{i}.log")))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.config import GatewayConfig, parse_config
 
 DEFAULT_MODEL = "tiny"
@@ -33,3 +35,31 @@ def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int
                                             "priority": "realtime", "auto": "realtime"},
                            "default_class": "realtime"},
     }, "<embedded default>")
+
+
+def one_pool_config(replica_urls: list[str], port: int, *, pool: str = "default",
+                    engine: str = "vllm", models: tuple[str, ...] = (DEFAULT_MODEL,),
+                    replica_prefix: str = "replica", routing: dict[str, Any] | None = None,
+                    health: dict[str, Any] | None = None,
+                    server: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A config (as a dict, to write as YAML) with one pool and one traffic class.
+
+    Tests and benchmarks build their gateways with this, each overriding what it measures.
+    """
+    pool_cfg: dict[str, Any] = {
+        "name": pool, "engine": engine, "models": list(models),
+        "replicas": [{"name": f"{replica_prefix}-{i}", "url": u}
+                     for i, u in enumerate(replica_urls)],
+    }
+    if health:
+        pool_cfg["health"] = health
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port, **(server or {})},
+        "pools": [pool_cfg],
+        "traffic_classes": [{"name": "default", "pool": pool}],
+        "classification": {"default_class": "default"},
+    }
+    if routing:
+        cfg["routing"] = routing
+    return cfg
+

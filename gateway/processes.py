@@ -1,4 +1,4 @@
-"""Child processes the CLI starts (simulated or real replicas) and stops with itself."""
+"""Child processes: replicas the CLI starts and stops with itself, and gateway processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 _PR_SET_PDEATHSIG = 1
 
@@ -80,5 +84,29 @@ def stop_all(procs: Sequence[subprocess.Popen], grace_s: float = 10.0) -> None:
             p.wait()
 
 
-def python() -> str:
-    return sys.executable
+def start_gateway(config: dict[str, Any], work_dir: Path, name: str = "gateway", *,
+                  deadline_s: float = 60.0, env: dict[str, str] | None = None,
+                  python_flags: Sequence[str] = (),
+                  wrap: Callable[[list[str]], list[str]] | None = None,
+                  ) -> tuple[str, subprocess.Popen, Path]:
+    """Run `gateway.cli serve` on `config` (written to work_dir/NAME.yaml) until /ready.
+
+    Returns the gateway's URL, its process and its log. If it does not become ready, the
+    process is stopped and the error carries the tail of its log. `wrap` can prefix the
+    command (e.g. with taskset); `python_flags` go to the interpreter.
+    """
+    server = config["server"]
+    url = f"http://{server.get('host', '127.0.0.1')}:{server['port']}"
+    config_path = work_dir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = work_dir / f"{name}.log"
+    cmd = [sys.executable, *python_flags, "-m", "gateway.cli", "serve", "--config",
+           str(config_path), "--log-level", "warning"]
+    proc = spawn(wrap(cmd) if wrap else cmd, str(log_path), env=env)
+    try:
+        wait_healthy([url], [proc], deadline_s=deadline_s, path="/ready")
+    except RuntimeError as exc:
+        stop_all([proc])
+        raise RuntimeError(f"gateway {name} did not become ready: {exc}\n"
+                           + log_path.read_text(errors="replace")[-2000:]) from None
+    return url, proc, log_path

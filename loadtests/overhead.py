@@ -18,12 +18,12 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway import processes  # noqa: E402
+from gateway.defaults import one_pool_config  # noqa: E402
 
 SERVER_CORE = 0  # gateway (or proxy) and the stubs share this core
 CLIENT_CORE = 1  # the load generator runs alone on this one
@@ -85,14 +85,9 @@ def _check_free(ports: list[int]) -> None:
 
 def gateway_config(urls: list[str], port: int, policy: str = "prefix_affinity",
                    internal_stream: bool = True) -> dict:
-    return {
-        "server": {"host": "127.0.0.1", "port": port, "non_streaming_ttft": internal_stream},
-        "routing": {"policy": policy},
-        "pools": [{"name": "main", "engine": "vllm", "models": ["tiny"],
-                   "replicas": [{"name": f"stub-{i}", "url": u} for i, u in enumerate(urls)]}],
-        "traffic_classes": [{"name": "default", "pool": "main"}],
-        "classification": {"default_class": "default"},
-    }
+    return one_pool_config(urls, port, pool="main", replica_prefix="stub",
+                           routing={"policy": policy},
+                           server={"non_streaming_ttft": internal_stream})
 
 
 def start_gateway(urls: list[str], log_dir: Path, name: str = "gateway",
@@ -100,14 +95,11 @@ def start_gateway(urls: list[str], log_dir: Path, name: str = "gateway",
                   root: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """A gateway process on a generated config; `root` picks the checkout it runs from."""
     port = processes.free_ports(1)[0]
-    cfg = log_dir / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, internal_stream=internal_stream)))
     # -P: import the gateway from `root` (PYTHONPATH), not from the current directory.
-    proc = processes.spawn(pinned([sys.executable, "-P", "-m", "gateway.cli", "serve", "--config",
-                                   str(cfg), "--log-level", "warning"], SERVER_CORE),
-                           str(log_dir / f"{name}.log"), env={"PYTHONPATH": str(root)})
-    url = f"http://127.0.0.1:{port}"
-    processes.wait_healthy([url], [proc], deadline_s=30, path="/ready")
+    url, proc, _ = processes.start_gateway(
+        gateway_config(urls, port, internal_stream=internal_stream), log_dir, name,
+        deadline_s=30, env={"PYTHONPATH": str(root)}, python_flags=("-P",),
+        wrap=lambda cmd: pinned(cmd, SERVER_CORE))
     return proc, url
 
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
@@ -40,6 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
 
 from gateway import processes  # noqa: E402
 from gateway.config import RoutingSettings  # noqa: E402
+from gateway.defaults import one_pool_config  # noqa: E402
 from loadtests.traces import (  # noqa: E402
     BLOCK_TOKENS,
     SYNTHETIC,
@@ -410,7 +410,7 @@ class Fleet:
 def start_sims(fleet: Fleet, n: int, kv_capacity_tokens: int, profile: str,
                time_scale: float) -> list[str]:
     base = consecutive_free_ports(n)
-    cmd = [processes.python(), "-m", "backends.sim", "--port", str(base), "--count", str(n),
+    cmd = [sys.executable, "-m", "backends.sim", "--port", str(base), "--count", str(n),
            "--kind", "vllm", "--model", MODEL, "--profile", profile, "--time-scale",
            str(time_scale), "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", "sim"]
     proc = processes.spawn(cmd, str(fleet.log_dir / "sims.log"),
@@ -424,40 +424,21 @@ def start_sims(fleet: Fleet, n: int, kv_capacity_tokens: int, profile: str,
 
 def gateway_config(replica_urls: Sequence[str], port: int, policy: str | None) -> dict[str, Any]:
     """One pool of the given replicas; the policy left out means the gateway's default."""
-    cfg: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": port},
-        "pools": [{
-            "name": "replay", "engine": "vllm", "models": [MODEL],
-            "replicas": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(replica_urls)],
-            # Lenient health checks: on a 2-core box running sims, gateway and client, a
-            # starved event loop made 2 s checks fail for all 32 replicas at once (a 32-replica
-            # run got 216 503s); this measures routing, not failure detection.
-            "health": {"timeout_s": 10.0, "failure_threshold": 3},
-        }],
-        "traffic_classes": [{"name": "default", "pool": "replay"}],
-        "classification": {"default_class": "default"},
-    }
-    if policy:
-        cfg["routing"] = {"policy": policy}
-    return cfg
+    # Lenient health checks: on a 2-core box running sims, gateway and client, a starved
+    # event loop made 2 s checks fail for all 32 replicas at once (a 32-replica run got 216
+    # 503s); this measures routing, not failure detection.
+    return one_pool_config(list(replica_urls), port, pool="replay", models=(MODEL,),
+                           replica_prefix="sim",
+                           routing={"policy": policy} if policy else None,
+                           health={"timeout_s": 10.0, "failure_threshold": 3})
 
 
 def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
                   name: str = "gateway") -> tuple[str, subprocess.Popen]:
     port = processes.free_ports(1)[0]
-    path = fleet.log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(replica_urls, port, policy)))
-    log_path = fleet.log_dir / f"{name}.log"
-    proc = processes.spawn([processes.python(), "-m", "gateway.cli", "serve", "--config",
-                            str(path), "--log-level", "warning"], str(log_path),
-                           env={"PYTHONPATH": str(ROOT)})
+    url, proc, _ = processes.start_gateway(gateway_config(replica_urls, port, policy),
+                                           fleet.log_dir, name, env={"PYTHONPATH": str(ROOT)})
     fleet.procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
-    except RuntimeError as exc:
-        raise RuntimeError(f"gateway did not become ready: {exc}\n"
-                           + log_path.read_text(errors="replace")[-2000:]) from None
     return url, proc
 
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: `python loadtests/vllm_bench.py`
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/vllm_bench.p
 
 from backends.vllm_cpu import launch  # noqa: E402
 from gateway import processes  # noqa: E402
+from gateway.defaults import one_pool_config  # noqa: E402
 from loadtests.replay import (  # noqa: E402
     consecutive_free_ports,
     percentile,
@@ -322,15 +322,9 @@ def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str,
     routing: dict[str, Any] = {"policy": policy, "hashing": hashing}
     if chars_per_token:
         routing["chars_per_token"] = chars_per_token
-    return {
-        "server": {"host": "127.0.0.1", "port": port},
-        "routing": routing,
-        "pools": [{"name": "bench", "engine": "vllm", "models": [MODEL],
-                   "replicas": [{"name": f"vllm-{i}", "url": u} for i, u in enumerate(urls)],
-                   "health": {"interval_s": 1.0, "metrics_interval_s": 0.5}}],
-        "traffic_classes": [{"name": "default", "pool": "bench"}],
-        "classification": {"default_class": "default"},
-    }
+    return one_pool_config(list(urls), port, pool="bench", models=(MODEL,),
+                           replica_prefix="vllm", routing=routing,
+                           health={"interval_s": 1.0, "metrics_interval_s": 0.5})
 
 
 async def reset_caches(urls: Sequence[str]) -> None:
@@ -433,19 +427,9 @@ def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
                   name: str, chars_per_token: float | None = None) -> tuple[str, Any]:
     """Spawn `gateway.cli serve` with a generated config; wait for /ready."""
     port = processes.free_ports(1)[0]
-    cfg = log_dir / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(urls, port, policy, hashing, chars_per_token)))
-    log_path = log_dir / f"{name}.log"
-    proc = processes.spawn([processes.python(), "-m", "gateway.cli", "serve", "--config",
-                            str(cfg), "--log-level", "warning"], str(log_path),
-                           env={"PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        processes.wait_healthy([url], [proc], deadline_s=180, path="/ready")
-    except RuntimeError as exc:
-        processes.stop_all([proc])
-        raise RuntimeError(f"gateway did not become ready: {exc}\n"
-                           + log_path.read_text(errors="replace")[-2000:]) from None
+    url, proc, _ = processes.start_gateway(
+        gateway_config(urls, port, policy, hashing, chars_per_token), log_dir, name,
+        deadline_s=180, env={"PYTHONPATH": str(ROOT)})
     return url, proc
 
 

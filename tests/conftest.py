@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from gateway import processes
 
@@ -87,19 +86,8 @@ def two_pool_config(realtime: list[str], batch: list[str], port: int, **routing)
 
 
 def start_gateway(config: dict, tmp: Path, name: str = "gateway") -> Gateway:
-    config_path = tmp / f"{name}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = tmp / f"{name}.log"
-    proc = processes.spawn([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                            str(config_path), "--log-level", "warning"], str(log_path))
-    url = f"http://127.0.0.1:{config['server']['port']}"
-    gw = Gateway(url, proc, config_path, log_path)
-    try:
-        processes.wait_healthy([url], [proc], deadline_s=30, path="/ready")
-    except RuntimeError:
-        gw.stop()
-        raise RuntimeError("gateway did not become ready:\n" + gw.log()) from None
-    return gw
+    url, proc, log_path = processes.start_gateway(config, tmp, name, deadline_s=30)
+    return Gateway(url, proc, tmp / f"{name}.yaml", log_path)
 
 
 def poll(predicate, deadline_s: float = 10.0, interval_s: float = 0.05):

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import processes
+from gateway.defaults import one_pool_config
 from tests.conftest import poll, start_gateway
 
 pytestmark = pytest.mark.engine
@@ -81,19 +82,6 @@ def run_workload(gateway_url: str) -> dict[str, set[int]]:
     return served
 
 
-def one_pool_config(urls: list[str], port: int, policy: str) -> dict:
-    return {
-        "server": {"host": "127.0.0.1", "port": port},
-        "routing": {"policy": policy},
-        "pools": [{"name": "realtime", "engine": "vllm", "models": ["tiny"],
-                   "replicas": [{"name": f"vllm-{i}", "url": u} for i, u in enumerate(urls)],
-                   "health": {"interval_s": 0.5, "metrics_interval_s": 0.25,
-                              "hit_ratio_window_s": 3600}}],
-        "traffic_classes": [{"name": "realtime", "pool": "realtime"}],
-        "classification": {"default_class": "realtime"},
-    }
-
-
 def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path) -> None:
     urls = [r.url for r in vllm_replicas]
     hit_tokens: dict[str, float] = {}
@@ -103,7 +91,10 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
             assert httpx.post(url + "/reset_prefix_cache").status_code == 200
         before = {u: engine_counters(u) for u in urls}
         port = processes.free_ports(1)[0]
-        gw = start_gateway(one_pool_config(urls, port, policy), tmp_path, name=policy)
+        config = one_pool_config(urls, port, replica_prefix="vllm", routing={"policy": policy},
+                                 health={"interval_s": 0.5, "metrics_interval_s": 0.25,
+                                         "hit_ratio_window_s": 3600})
+        gw = start_gateway(config, tmp_path, name=policy)
         try:
             served = run_workload(gw.url)
             after = {u: engine_counters(u) for u in urls}
