@@ -168,15 +168,15 @@ def _finish_choice(acc: dict[str, Any], chat: bool) -> dict[str, Any]:
         return {"index": acc["index"], "text": text, "logprobs": acc["logprobs"],
                 "finish_reason": acc["finish_reason"],
                 **({"stop_reason": acc["stop_reason"]} if "stop_reason" in acc else {})}
-    message: dict[str, Any] = {"role": acc.pop("_role"), "content": text or None}
     tools = acc.pop("_tools")
+    # OpenAI sends content null only for a tool-call-only reply.
+    message: dict[str, Any] = {"role": acc.pop("_role"),
+                               "content": None if tools and not text else text}
     if tools:
         message["tool_calls"] = [tools[i] for i in sorted(tools)]
     reasoning = acc.pop("_reasoning")
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
-    if text == "" and not tools:
-        message["content"] = ""
     out = {"index": acc["index"], "message": message, "logprobs": acc["logprobs"],
            "finish_reason": acc["finish_reason"]}
     if "stop_reason" in acc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from routing.policies.base import Policy, PrefixLookup, load_bound, within_bound
+from routing.policies.base import Policy, PrefixLookup, load_bound
 from routing.policies.consistent_hash import ConsistentHash
 from routing.policies.least_load import LeastLoad
 from routing.policies.prefix_affinity import PrefixAffinity
@@ -38,5 +38,4 @@ __all__ = [
     "RoundRobin",
     "build_policy",
     "load_bound",
-    "within_bound",
 ]

@@ -42,12 +42,6 @@ def load_bound(replicas: Sequence[ReplicaView], factor: float) -> int:
     return max(1, math.ceil(factor * (total + 1) / len(replicas)))
 
 
-def within_bound(replicas: Sequence[ReplicaView], factor: float) -> list[ReplicaView]:
-    bound = load_bound(replicas, factor)
-    fits = [r for r in replicas if r.inflight + 1 <= bound]
-    return fits or [min(replicas, key=lambda r: r.inflight)]
-
-
 def decide(request: RoutingRequest, lookup: PrefixLookup, replica: str, reason: str,
            fallbacks: list[str]) -> Decision:
     """A decision for `replica`, with what its index says it holds of the request's prefix."""
