@@ -43,9 +43,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def spawn(args: Sequence[str], log_path: str | None = None,
           env: dict[str, str] | None = None) -> subprocess.Popen:
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+    if log_path is None:
+        return subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+    # The child keeps its own copy of the descriptor; the parent's is closed at once.
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
 
 
 def wait_healthy(urls: Sequence[str], procs: Sequence[subprocess.Popen], deadline_s: float,
