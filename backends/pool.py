@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from time import perf_counter
 
 from backends.adapters import EngineAdapter, EngineSnapshot, adapter_for
 from gateway.config import PoolConfig, RoutingSettings
@@ -95,10 +96,11 @@ class Pool:
     def _views(self, model: str, exclude: tuple[str, ...], suspects: bool) -> list[ReplicaView]:
         views = []
         load = self.load
+        now = perf_counter()  # the clock the proxy stamps streamed chunks with
         for r in self.replicas.values():
             usable = r.suspect if suspects else r.healthy
             if usable and model in r.models and r.name not in exclude:
-                v = load.view(r.name)
+                v = load.view(r.name, now)
                 snap = r.snapshot
                 if snap is not None:
                     v.engine_waiting = int(snap.waiting or 0)

@@ -50,6 +50,11 @@ class RoutingSettings(_Strict):
     inflight_tokens: float = Field(
         256.0, ge=0.0, description="queue tokens counted per request in flight on a replica"
     )
+    prefill_tokens_per_s: float = Field(
+        9000.0, ge=0.0, description="prefix_affinity: the engines' prefill throughput, to count "
+        "the time left in a replica's current step (estimated from when its streamed chunks "
+        "arrive) as queue tokens; err low, not high (0: ignore step phase)"
+    )
     slack_fraction: float = Field(0.25, ge=0.0)
     slack_tokens: float = Field(256.0, ge=0.0)
     tie_tokens: float = Field(

@@ -61,6 +61,10 @@ class GatewayMetrics:
         self.engine_kv_usage = Gauge(
             "gateway_engine_kv_cache_usage_ratio", "KV cache usage reported by the engine (0-1).",
             ("pool", "replica"), registry=r)
+        self.engine_step = Gauge(
+            "gateway_engine_step_seconds", "Engine step (iteration) time, timed by the gateway "
+            "from the gaps between the replica's streamed chunks (a moving average).",
+            ("pool", "replica"), registry=r)
         self.chars_per_token = Gauge(
             "gateway_chars_per_token", "Characters per engine token the pool uses to size its "
             "prefix indexes (learned from the replicas' usage.prompt_tokens).", ("pool",),

@@ -279,14 +279,18 @@ class InferenceEndpoint:
                             "headers": [*_SSE, *extra]})
                 async for chunk in resp.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    watcher.feed(chunk, perf_counter())
+                    now = perf_counter()
+                    watcher.feed(chunk, now)
+                    load.step_ended(name, now)
                     if not saw_first and watcher.first_token_at is not None:
                         saw_first = True
                         load.first_token(name, uncached)
                 await send({"type": "http.response.body", "body": b""})
             elif aggregate:
                 async for chunk in resp.content.iter_any():
-                    watcher.feed(chunk, perf_counter())
+                    now = perf_counter()
+                    watcher.feed(chunk, now)
+                    load.step_ended(name, now)
                     if not saw_first and watcher.first_token_at is not None:
                         saw_first = True
                         load.first_token(name, uncached)

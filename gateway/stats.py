@@ -48,6 +48,8 @@ class StatsRecorder:
                     "last_error": r.last_error or None,
                     "inflight": pool.load.inflight.get(r.name, 0),
                     "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
+                    "engine_step_s": (round(step, 4) if (step := pool.load.step_s.get(r.name))
+                                      is not None else None),
                     "requests": s.requests,
                     "errors": s.errors,
                     "estimated_hit_ratio": round(s.hit_blocks / looked, 4) if looked else None,
@@ -82,7 +84,7 @@ def _quantile(values: deque[float], q: float) -> float | None:
 def render_table(stats: dict[str, Any]) -> str:
     """A fixed-width table of /admin/stats for a terminal."""
     cols = ("replica", "healthy", "inflight", "requests", "errors", "est_hit", "engine_hit",
-            "ttft_p50", "ttft_p95")
+            "ttft_p50", "ttft_p95", "step")
     lines: list[str] = []
     for pool in stats.get("pools", []):
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(pool["decisions_by_reason"].items()))
@@ -97,6 +99,7 @@ def render_table(stats: dict[str, Any]) -> str:
                 r["name"], "yes" if r["healthy"] else "NO", str(r["inflight"]),
                 str(r["requests"]), str(r["errors"]), _pct(r["estimated_hit_ratio"]),
                 _pct(r["engine_hit_ratio"]), _ms(r["ttft_p50_s"]), _ms(r["ttft_p95_s"]),
+                _ms(r.get("engine_step_s")),
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         for row in rows:

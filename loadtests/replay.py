@@ -422,21 +422,24 @@ def start_sims(fleet: Fleet, n: int, kv_capacity_tokens: int, profile: str,
     return urls
 
 
-def gateway_config(replica_urls: Sequence[str], port: int, policy: str | None) -> dict[str, Any]:
+def gateway_config(replica_urls: Sequence[str], port: int, policy: str | None,
+                   routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """One pool of the given replicas; the policy left out means the gateway's default."""
+    routing = {**(routing or {}), **({"policy": policy} if policy else {})}
     # Lenient health checks: on a 2-core box running sims, gateway and client, a starved
     # event loop made 2 s checks fail for all 32 replicas at once (a 32-replica run got 216
     # 503s); this measures routing, not failure detection.
     return one_pool_config(list(replica_urls), port, pool="replay", models=(MODEL,),
                            replica_prefix="sim",
-                           routing={"policy": policy} if policy else None,
+                           routing=routing or None,
                            health={"timeout_s": 10.0, "failure_threshold": 3})
 
 
 def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
-                  name: str = "gateway") -> tuple[str, subprocess.Popen]:
+                  name: str = "gateway", routing: dict[str, Any] | None = None,
+                  ) -> tuple[str, subprocess.Popen]:
     port = processes.free_ports(1)[0]
-    url, proc, _ = processes.start_gateway(gateway_config(replica_urls, port, policy),
+    url, proc, _ = processes.start_gateway(gateway_config(replica_urls, port, policy, routing),
                                            fleet.log_dir, name, env={"PYTHONPATH": str(ROOT)})
     fleet.procs.append(proc)
     return url, proc
@@ -493,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="drive this running OpenAI-compatible router instead")
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="a gateway routing setting, e.g. load_weight=1 (repeatable; without --url)")
     p.add_argument("--label", help="policy name to report (default: the policy, or 'external')")
     p.add_argument("--model", default=MODEL, help="model name to send")
     p.add_argument("--concurrency-limit", type=int, default=0,
@@ -522,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt():
             if args.url:
+                if args.settings:
+                    raise SystemExit("replay: --set configures the gateway replay starts; "
+                                     "not with --url")
                 url = args.url
                 replica_urls = [u.strip() for u in args.replica_urls.split(",") if u.strip()]
                 policy = args.label or "external"
@@ -530,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("replay: --replica-urls needs --url")
                 replica_urls = start_sims(fleet, args.replicas, args.kv_capacity_tokens,
                                           args.profile, args.time_scale)
-                url, _ = start_gateway(fleet, replica_urls, args.policy)
+                routing = {}
+                for kv in args.settings:
+                    key, _, value = kv.partition("=")
+                    routing[key] = json.loads(value)
+                url, _ = start_gateway(fleet, replica_urls, args.policy, routing=routing)
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "

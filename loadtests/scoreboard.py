@@ -101,7 +101,8 @@ _workloads: dict[Scenario, Workload] = {}
 # The ablation: prefix_affinity at the gateway's defaults, then with one choice undone at a
 # time, on the scenarios where each choice mattered (docs/routing.md, "What was tuned").
 ABLATION_SCENARIOS = ("mooncake/32/light", "mooncake/8/heavy", "tenants/8/heavy",
-                      "hot_prompt/8/light", "multi_turn/8/light", "control/8/light")
+                      "hot_prompt/8/light", "hot_prompt/8/heavy", "multi_turn/8/light",
+                      "control/8/light")
 ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
     ("defaults", ()),
     ("before tuning (c=1.25, w=1, no in-flight term, rendezvous ties)",
@@ -110,6 +111,9 @@ ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
     ("load_weight=1, idle_load_weight=1 (constant 1)", _p(load_weight=1, idle_load_weight=1)),
     ("idle_load_weight=0.5 (constant 0.5)", _p(idle_load_weight=0.5)),
     ("inflight_tokens=0", _p(inflight_tokens=0)),
+    ("prefill_tokens_per_s=0 (no step phase)", _p(prefill_tokens_per_s=0)),
+    ("prefill_tokens_per_s=4500", _p(prefill_tokens_per_s=4500)),
+    ("prefill_tokens_per_s=20000", _p(prefill_tokens_per_s=20000)),
     ("load_allowance=0", _p(load_allowance=0)),
     ("load_allowance=1000 (no bound)", _p(load_allowance=1000)),
     ("balance_horizon=0 (rendezvous ties)", _p(balance_horizon=0)),
@@ -145,7 +149,8 @@ def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
         "",
         f"`{sc.command()}`",
         "",
-        f"Ideal hit ratio (one infinite cache): {ideal:.3f}.",
+        f"Ideal hit ratio (one infinite cache): {ideal:.3f}. TTFT floor (every request alone "
+        f"on an idle engine with the ideal hit): {reports['oracle']['ttft_floor_mean_s']:.3f} s.",
         "",
         "| policy | TTFT mean s | p50 s | p99 s | hit | hit / ideal | hit / oracle's | "
         "req imb | prefill imb | peak in-flight imb |",
@@ -169,8 +174,8 @@ def _ratio(a: float, b: float) -> str:
 def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "| workload | replicas | load | pressure | prefix_affinity TTFT mean s | / oracle | "
-        "/ round_robin | / sglang (emulated) | / least_load | prefill imb |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "/ round_robin | / sglang (emulated) | / least_load | prefill imb | TTFT floor s |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for sc, reports in results.items():
         pa = reports["prefix_affinity"]["ttft_mean_s"]
@@ -180,7 +185,8 @@ def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
             f"{_ratio(pa, reports['round_robin']['ttft_mean_s'])} | "
             f"{_ratio(pa, reports['sglang_cache_aware']['ttft_mean_s'])} | "
             f"{_ratio(pa, reports['least_load']['ttft_mean_s'])} | "
-            f"{reports['prefix_affinity']['prefill_imbalance']:.2f} |")
+            f"{reports['prefix_affinity']['prefill_imbalance']:.2f} | "
+            f"{reports['oracle']['ttft_floor_mean_s']:.3f} |")
     return [*lines, ""]
 
 

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable (loadtests is not installed).
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.sim.model import PROFILES, EngineModel
+from backends.sim.model import PROFILES, EngineModel, LatencyProfile
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
@@ -81,6 +81,7 @@ class Workload:
     _engine: dict[int, tuple[list[array], list[int]]] = field(default_factory=dict)
     _routing: dict[tuple[int, float, int], list[RoutingRequest]] = field(default_factory=dict)
     _ideal: float | None = None
+    _floor: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def engine_prompts(self, block_tokens: int) -> tuple[list[array], list[int]]:
         """Per request: the engine's chained block hashes and its prompt token count."""
@@ -102,6 +103,39 @@ class Workload:
         if got is None:
             got = self._routing[key] = [router.request_from_text(prompt_text(r))
                                         for r in self.requests]
+        return got
+
+    def ttft_floor_mean(self, profile: LatencyProfile, block_tokens: int) -> float:
+        """Mean TTFT if every request ran alone on an idle engine holding every earlier prefix.
+
+        No policy can do better in the replica model: the hit is one infinite cache's, there is
+        no queue, and no other sequence lengthens the steps. It tells where a target is out of
+        reach of any router (half of round_robin's TTFT below the floor, say).
+        """
+        got = self._floor.get((profile.name, block_tokens))
+        if got is not None:
+            return got
+        hashes, tokens = self.engine_prompts(block_tokens)
+        seen: set[int] = set()
+        total = 0.0
+        budget = profile.max_batched_tokens
+        for chain, prompt in zip(hashes, tokens, strict=True):
+            usable = chain[: (prompt - 1) // block_tokens]  # vLLM recomputes the last token
+            matched = 0
+            for h in usable:
+                if h not in seen:
+                    break
+                matched += 1
+            seen.update(chain)
+            cached = matched * block_tokens
+            t = profile.cached_token_s * cached
+            done = cached
+            while done < prompt:
+                k = min(budget, prompt - done)
+                t += profile.step_overhead_s + profile.prefill_chunk_s(k, done)
+                done += k
+            total += t
+        got = self._floor[(profile.name, block_tokens)] = total / len(tokens) if tokens else 0.0
         return got
 
     @property
@@ -228,6 +262,8 @@ def simulate(
     def step(t: float, i: int) -> None:
         eng = engine_list[i]
         name = names[i]
+        if eng.step_emits_tokens:
+            load.step_ended(name, t)  # the gateway sees this step's streamed chunks
         for ev in eng.advance(t):
             rid = int(ev.req_id)
             if ev.kind == "first_token":
@@ -255,7 +291,7 @@ def simulate(
         drain_until(now)
         sample_until(now)
         rr = routing_reqs[rid]
-        views = [load.view(name) for name in names]
+        views = [load.view(name, now) for name in names]
         if oracle is not None:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         decision = router.route(rr, views)
@@ -292,6 +328,7 @@ def simulate(
         "tpot_p50_s": round(_quantile(tpots, 0.5), 5),
         "hit_ratio": round(hit / query, 4) if query else 0.0,
         "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
+        "ttft_floor_mean_s": round(workload.ttft_floor_mean(prof, engine_block_tokens), 4),
         "imbalance": round(_max_over_mean(routed), 3),
         "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),

@@ -32,6 +32,9 @@ class ReplicaView:
     engine_waiting: int = 0
     """Requests the engine itself reports as queued (from its metrics), when known."""
     kv_usage: float | None = None
+    step_remaining_s: float = 0.0
+    """Estimated seconds until the engine step in flight there ends (from the times its
+    streamed chunks arrive): a request sent there now waits that long before it is scheduled."""
 
 
 @dataclass(slots=True)

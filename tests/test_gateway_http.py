@@ -110,13 +110,20 @@ def test_metrics_have_ttft_for_both_pools_and_estimated_hits(fleet) -> None:
                            if s.name == "gateway_engine_prefix_cache_hit_ratio"
                            and s.value > 0} or None)
     assert engine & {"rt-0", "rt-1", "rt-2"}
+    # Engine step times, from the gaps between the chunks the replicas streamed.
+    stepped = poll(lambda: {s.labels["replica"] for s in metric_samples(gw.url)
+                            if s.name == "gateway_engine_step_seconds" and s.value > 0} or None)
+    assert stepped & {"rt-0", "rt-1", "rt-2"}
 
 
 def test_admin_stats_and_cli_show_counts(fleet) -> None:
     gw, _ = fleet
     c = client(gw.url)
+    served = set()
     for u in range(4):
-        c.completions.create(model="tiny", prompt=tenant_prompt(7) + str(u), max_tokens=2)
+        raw = c.completions.with_raw_response.create(model="tiny", prompt=tenant_prompt(7) + str(u),
+                                                     max_tokens=6)
+        served.add(raw.headers["x-gateway-replica"])
     stats = httpx.get(gw.url + "/admin/stats").json()
     pools = {p["name"]: p for p in stats["pools"]}
     assert set(pools) == {"realtime", "batch"}
@@ -125,6 +132,9 @@ def test_admin_stats_and_cli_show_counts(fleet) -> None:
     assert sum(rt["decisions_by_reason"].values()) >= 4
     assert all(r["healthy"] for r in rt["replicas"])
     assert any(r["ttft_p50_s"] for r in rt["replicas"])
+    # Engine steps are timed from the chunks each replica streamed (one per step per stream).
+    steps = {r["name"]: r["engine_step_s"] for r in rt["replicas"]}
+    assert all(steps[name] is not None and steps[name] > 0 for name in served), steps
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "stats", "--url", gw.url],
                          capture_output=True, text=True, check=True).stdout
     assert "pool realtime" in out and "pool batch" in out

@@ -195,3 +195,56 @@ def test_load_allowance_lets_a_home_hold_more_than_the_bound() -> None:
         served[d.replica] += 1
     # Without the allowance the home would hold at most ceil(8 / 4) = 2 of them.
     assert max(served.values()) >= 4
+
+
+def test_step_timing_from_chunk_arrivals() -> None:
+    load = LoadTracker()
+    load.dispatched("r0", 100.0)
+    load.dispatched("r0", 100.0)
+    # Two streams: each 40 ms step ends in two chunks a fraction of a millisecond apart.
+    for step in range(6):
+        t = 1.0 + 0.040 * step
+        load.step_ended("r0", t)
+        load.step_ended("r0", t + 0.0004)
+    assert load.step_s["r0"] == pytest.approx(0.040)
+    last = 1.0 + 0.040 * 5
+    assert load.step_remaining("r0", last + 0.010) == pytest.approx(0.030)
+    assert load.step_remaining("r0", last + 0.050) == 0.0  # overdue: no estimate of the rest
+    # A 1-second outlier (a long prefill step) does not move the estimate.
+    load.step_ended("r0", last + 1.0)
+    assert load.step_s["r0"] == pytest.approx(0.040)
+
+
+def test_idle_replica_has_no_step_to_wait_for() -> None:
+    load = LoadTracker()
+    load.dispatched("r0", 10.0)
+    load.step_ended("r0", 1.00)
+    load.step_ended("r0", 1.05)
+    load.finished("r0", 10.0, True)
+    assert load.step_remaining("r0", 1.06) == 0.0
+    assert load.view("r0", 1.06).step_remaining_s == 0.0
+    # After idling, the first chunk starts a new run: the idle time is not a step.
+    load.dispatched("r0", 10.0)
+    load.step_ended("r0", 30.0)
+    assert load.step_s["r0"] == pytest.approx(0.05)
+
+
+def test_equal_replicas_prefer_the_one_whose_step_ends_soonest() -> None:
+    # A 100 ms step of a CPU engine, say: a request sent to r2 now waits 150 ms before the
+    # engine even schedules it, worth 1,350 prompt tokens of prefill at 9,000 tokens/s.
+    router = make_router(load_factor=100.0, prefill_tokens_per_s=9000.0)
+    text = chat_text(system_prompt(5), "q")
+    for name in REPLICAS:  # every replica holds the prompt
+        router.record(name, router.request_from_text(text).hashes)
+    remaining = {"r0": 0.120, "r1": 0.004, "r2": 0.150, "r3": 0.090}
+    views = [ReplicaView(name=n, inflight=3, step_remaining_s=remaining[n]) for n in REPLICAS]
+    for u in range(5):
+        d = router.route(router.request_from_text(chat_text(system_prompt(5), f"user {u}")), views)
+        assert d.replica == "r1"
+    # Without the step term the choice falls to balancing and spreads.
+    plain = make_router(load_factor=100.0, prefill_tokens_per_s=0.0)
+    for name in REPLICAS:
+        plain.record(name, plain.request_from_text(text).hashes)
+    chosen = {plain.route(plain.request_from_text(chat_text(system_prompt(5), f"user {u}")),
+                          views).replica for u in range(8)}
+    assert len(chosen) > 1

@@ -476,6 +476,16 @@ class EngineModel:
         step = self._step
         return step.end if step is not None else None
 
+    @property
+    def step_emits_tokens(self) -> bool:
+        """Whether the step in flight ends with a token for some request (a streamed chunk)."""
+        step = self._step
+        if step is None:
+            return False
+        return step.n_decode > 0 or any(
+            req.computed + k >= req.prompt_tokens for req, k in step.chunks
+        )
+
     def advance(self, now: float) -> list[Event]:
         """Complete every step that ends at or before `now`; O(1) when idle."""
         events: list[Event] = []

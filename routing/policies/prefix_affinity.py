@@ -55,6 +55,7 @@ class PrefixAffinity(Policy):
         load_allowance: int = 0,
         balance_horizon: int = 1000,
         idle_load_weight: float | None = 1.5,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (below 1 no replica may take a request)")
@@ -66,6 +67,7 @@ class PrefixAffinity(Policy):
         self.tie_tokens = tie_tokens
         self.load_allowance = max(0, load_allowance)
         self.balance_horizon = balance_horizon
+        self.prefill_tokens_per_s = prefill_tokens_per_s
         self.idle_load_weight = load_weight if idle_load_weight is None else idle_load_weight
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
@@ -86,6 +88,7 @@ class PrefixAffinity(Policy):
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
+        phase = self.prefill_tokens_per_s
         self._decisions += 1
 
         # (cost, matched, weight, uncached, eligible, name)
@@ -96,7 +99,8 @@ class PrefixAffinity(Policy):
             if matched > best_match:
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
-            cost = uncached + w * (r.pending_prefill_tokens + per_request * r.inflight)
+            cost = (uncached + w * (r.pending_prefill_tokens + per_request * r.inflight)
+                    + phase * r.step_remaining_s)
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible, r.name))
 
