@@ -51,6 +51,26 @@ def test_no_policy_beats_the_ideal_hit_ratio(tenants: Workload, policy: str) -> 
     assert report["hit_ratio"] <= report["ideal_hit_ratio"] + 1e-9
 
 
+@pytest.mark.parametrize("policy", ["oracle", "prefix_affinity", "round_robin"])
+def test_no_policy_beats_the_ttft_floor(tenants: Workload, policy: str) -> None:
+    report = run(tenants, policy)
+    assert 0.0 < report["ttft_floor_mean_s"] <= report["ttft_mean_s"]
+
+
+def test_ttft_floor_prices_the_ideal_hit_on_an_idle_engine() -> None:
+    from backends.sim.model import PROFILES
+    from loadtests.traces import TraceRequest
+
+    prof = PROFILES["qwen-32b-h200"]
+    # Two requests with one 512-token block in common; the second adds one of its own.
+    reqs = [TraceRequest(0.0, 512, 10, (1,), ""), TraceRequest(1.0, 1024, 10, (1, 2), "")]
+    workload = Workload("two", reqs)
+    _, tokens = workload.engine_prompts(16)
+    alone_cold = prof.ttft_s(tokens[0], 0)
+    alone_with_hit = prof.ttft_s(tokens[1], 512)
+    assert workload.ttft_floor_mean(prof, 16) == pytest.approx((alone_cold + alone_with_hit) / 2)
+
+
 def test_engine_hit_ratio_counts_only_real_reuse() -> None:
     # Every request has its own context: nothing to reuse, whatever the policy.
     unique = Workload("unique", tenants_workload(n_tenants=20_000, system_blocks=2,
