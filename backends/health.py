@@ -99,9 +99,10 @@ class HealthMonitor:
             m.engine_waiting.labels(pool.name, r.name).set(snap.waiting)
         if snap.kv_usage is not None:
             m.engine_kv_usage.labels(pool.name, r.name).set(snap.kv_usage)
-        step = pool.load.step_s.get(r.name)
+        step = pool.load.steps.step_s.get(r.name)
         if step is not None:
             m.engine_step.labels(pool.name, r.name).set(step)
+        m.prefill_rate.labels(pool.name).set(pool.load.steps.rate)
 
     def mark_failed(self, pool: Pool, r: ReplicaState, error: str,
                     suspect: bool = False) -> None:

@@ -84,7 +84,7 @@ class Pool:
             index_capacity_blocks=routing.index_capacity_blocks,
             key_blocks=routing.key_blocks,
         )
-        self.load = LoadTracker()
+        self.load = LoadTracker(routing.prefill_tokens_per_s)
         self._cpt_samples = 0
         self._cpt_estimate = routing.chars_per_token
 

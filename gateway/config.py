@@ -50,10 +50,10 @@ class RoutingSettings(_Strict):
     inflight_tokens: float = Field(
         256.0, ge=0.0, description="queue tokens counted per request in flight on a replica"
     )
-    prefill_tokens_per_s: float = Field(
-        9000.0, ge=0.0, description="prefix_affinity: the engines' prefill throughput, to count "
-        "the time left in a replica's current step (estimated from when its streamed chunks "
-        "arrive) as queue tokens; err low, not high (0: ignore step phase)"
+    prefill_tokens_per_s: float | None = Field(
+        None, ge=0.0, description="the engines' prefill rate, to price the wait for a "
+        "replica's engine step in flight (timed from its streamed chunks) in prompt tokens; "
+        "None: learn it from the steps that carry a prefill; 0: ignore step timing"
     )
     slack_fraction: float = Field(0.25, ge=0.0)
     slack_tokens: float = Field(256.0, ge=0.0)

@@ -65,6 +65,10 @@ class GatewayMetrics:
             "gateway_engine_step_seconds", "Engine step (iteration) time, timed by the gateway "
             "from the gaps between the replica's streamed chunks (a moving average).",
             ("pool", "replica"), registry=r)
+        self.prefill_rate = Gauge(
+            "gateway_prefill_tokens_per_second", "Prefill rate the pool prices a wait for an "
+            "engine step with (configured, or learned from steps that carry a prefill; 0 until "
+            "known).", ("pool",), registry=r)
         self.chars_per_token = Gauge(
             "gateway_chars_per_token", "Characters per engine token the pool uses to size its "
             "prefix indexes (learned from the replicas' usage.prompt_tokens).", ("pool",),

@@ -236,6 +236,7 @@ class InferenceEndpoint:
         load = pool.load
         name = replica.name
         load.dispatched(name, uncached)
+        sent_at = perf_counter()
         obs.inflight(pool.name, name, 1)
         saw_first = False
         status = "error"
@@ -281,19 +282,19 @@ class InferenceEndpoint:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     now = perf_counter()
                     watcher.feed(chunk, now)
-                    load.step_ended(name, now)
+                    load.chunk(name, now)
                     if not saw_first and watcher.first_token_at is not None:
                         saw_first = True
-                        load.first_token(name, uncached)
+                        load.first_token(name, uncached, now, sent_at)
                 await send({"type": "http.response.body", "body": b""})
             elif aggregate:
                 async for chunk in resp.content.iter_any():
                     now = perf_counter()
                     watcher.feed(chunk, now)
-                    load.step_ended(name, now)
+                    load.chunk(name, now)
                     if not saw_first and watcher.first_token_at is not None:
                         saw_first = True
-                        load.first_token(name, uncached)
+                        load.first_token(name, uncached, now, sent_at)
                 if watcher.error is not None:
                     status = "502"
                     body = orjson.dumps(watcher.error)

@@ -48,7 +48,7 @@ class StatsRecorder:
                     "last_error": r.last_error or None,
                     "inflight": pool.load.inflight.get(r.name, 0),
                     "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
-                    "engine_step_s": (round(step, 4) if (step := pool.load.step_s.get(r.name))
+                    "engine_step_s": (round(step, 4) if (step := pool.load.steps.step_s.get(r.name))
                                       is not None else None),
                     "requests": s.requests,
                     "errors": s.errors,
@@ -69,6 +69,8 @@ class StatsRecorder:
                 "models": sorted(pool.models),
                 "traffic_classes": dict(self.classes.get(pool.name, Counter())),
                 "decisions_by_reason": dict(self.decisions.get(pool.name, Counter())),
+                "prefill_tokens_per_s": round(pool.load.steps.rate) or None,
+                "prefill_rate_learned": pool.load.steps.learning,
                 "replicas": reps,
             })
         return out
@@ -93,6 +95,9 @@ def render_table(stats: dict[str, Any]) -> str:
                      f"models {', '.join(pool['models'])})")
         lines.append(f"  decisions: {reasons or '-'}")
         lines.append(f"  classes:   {classes or '-'}")
+        rate = pool.get("prefill_tokens_per_s")
+        how = "learned" if pool.get("prefill_rate_learned") else "configured"
+        lines.append(f"  prefill:   {f'{rate:,} tokens/s ({how})' if rate else f'- ({how})'}")
         rows = [cols]
         for r in pool["replicas"]:
             rows.append((

@@ -218,7 +218,7 @@ def simulate(
                               / settings.block_chars))
     for n in names:
         router.resize_index(n, index_blocks)
-    load = LoadTracker()
+    load = LoadTracker(settings.prefill_tokens_per_s)
     oracle = pol if isinstance(pol, Oracle) else None
 
     reqs = workload.requests
@@ -263,13 +263,13 @@ def simulate(
         eng = engine_list[i]
         name = names[i]
         if eng.step_emits_tokens:
-            load.step_ended(name, t)  # the gateway sees this step's streamed chunks
+            load.chunk(name, t)  # the gateway sees this step's streamed chunks
         for ev in eng.advance(t):
             rid = int(ev.req_id)
             if ev.kind == "first_token":
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
-                load.first_token(name, uncached_est[rid])
+                load.first_token(name, uncached_est[rid], ev.time, reqs[rid].timestamp_s)
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
@@ -332,6 +332,7 @@ def simulate(
         "imbalance": round(_max_over_mean(routed), 3),
         "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),
+        "prefill_tokens_per_s": round(load.steps.rate),
         "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
         "replicas": replicas,
         "workload": workload.name,

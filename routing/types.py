@@ -32,10 +32,9 @@ class ReplicaView:
     engine_waiting: int = 0
     """Requests the engine itself reports as queued (from its metrics), when known."""
     kv_usage: float | None = None
-    step_remaining_s: float = 0.0
-    """Estimated seconds until the engine step in flight there ends (from the times its
-    streamed chunks arrive): a request sent there now waits that long before it is scheduled."""
-
+    step_wait_tokens: float = 0.0
+    """Time until the engine step in flight there ends (a request sent now waits for it),
+    estimated from its streamed chunks and priced in prompt tokens at the prefill rate."""
 
 @dataclass(slots=True)
 class Decision:

@@ -9,6 +9,7 @@ import pytest
 from routing import LoadTracker, PrefixIndex, Router, build_policy, char_block_hashes
 from routing.policies import load_bound
 from routing.prompt import render_chat
+from routing.steps import StepTimer
 from routing.types import REASON_AFFINITY, REASON_COLD, REASON_OVERFLOW, ReplicaView
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
@@ -198,53 +199,82 @@ def test_load_allowance_lets_a_home_hold_more_than_the_bound() -> None:
 
 
 def test_step_timing_from_chunk_arrivals() -> None:
-    load = LoadTracker()
-    load.dispatched("r0", 100.0)
-    load.dispatched("r0", 100.0)
+    steps = StepTimer()
     # Two streams: each 40 ms step ends in two chunks a fraction of a millisecond apart.
     for step in range(6):
         t = 1.0 + 0.040 * step
-        load.step_ended("r0", t)
-        load.step_ended("r0", t + 0.0004)
-    assert load.step_s["r0"] == pytest.approx(0.040)
+        steps.chunk("r0", t)
+        steps.chunk("r0", t + 0.0004)
+    assert steps.step_s["r0"] == pytest.approx(0.040)
     last = 1.0 + 0.040 * 5
-    assert load.step_remaining("r0", last + 0.010) == pytest.approx(0.030)
-    assert load.step_remaining("r0", last + 0.050) == 0.0  # overdue: no estimate of the rest
+    assert steps.remaining("r0", last + 0.010) == pytest.approx(0.030)
+    assert steps.remaining("r0", last + 0.050) == 0.0  # overdue: no estimate of the rest
     # A 1-second outlier (a long prefill step) does not move the estimate.
-    load.step_ended("r0", last + 1.0)
-    assert load.step_s["r0"] == pytest.approx(0.040)
+    steps.chunk("r0", last + 1.0)
+    assert steps.step_s["r0"] == pytest.approx(0.040)
 
 
 def test_idle_replica_has_no_step_to_wait_for() -> None:
-    load = LoadTracker()
+    load = LoadTracker(prefill_tokens_per_s=10_000.0)
     load.dispatched("r0", 10.0)
-    load.step_ended("r0", 1.00)
-    load.step_ended("r0", 1.05)
+    load.chunk("r0", 1.00)
+    load.chunk("r0", 1.05)
+    assert load.view("r0", 1.06).step_wait_tokens == pytest.approx(400.0)  # 40 ms at 10k/s
     load.finished("r0", 10.0, True)
-    assert load.step_remaining("r0", 1.06) == 0.0
-    assert load.view("r0", 1.06).step_remaining_s == 0.0
+    assert load.view("r0", 1.06).step_wait_tokens == 0.0
     # After idling, the first chunk starts a new run: the idle time is not a step.
     load.dispatched("r0", 10.0)
-    load.step_ended("r0", 30.0)
-    assert load.step_s["r0"] == pytest.approx(0.05)
+    load.chunk("r0", 30.0)
+    assert load.steps.step_s["r0"] == pytest.approx(0.05)
+
+
+def test_prefill_rate_is_learned_from_steps_that_carry_a_prefill() -> None:
+    # An engine whose decode step takes 50 ms and which prefills 20,000 tokens/s: a step that
+    # also prefills a 1,000-token prompt takes 100 ms.
+    load = LoadTracker()
+    load.dispatched("r0", 0.0)  # a long-running stream keeps the replica busy
+    t = 0.0
+    for i in range(90):
+        load.chunk("r0", t)
+        if i % 3 == 0 and i:
+            # First token of a request sent while the step before ran (from t - 150 ms to
+            # t - 100 ms), so this 100 ms step carried its whole prefill.
+            load.first_token("r0", 1000.0, t, dispatched_at=t - 0.12)
+        # The next step carries a prefill when the following chunk is a first token.
+        t += 0.100 if (i + 1) % 3 == 0 else 0.050
+    assert load.steps.learning
+    assert load.steps.rate == pytest.approx(20_000.0, rel=0.02)
+    assert load.steps.decode_s(1) == pytest.approx(0.050)
+
+
+def test_unattributable_prefill_teaches_nothing() -> None:
+    load = LoadTracker()
+    load.dispatched("r0", 0.0)
+    t = 0.0
+    for i in range(90):
+        load.chunk("r0", t)
+        if i % 3 == 0 and i:
+            # Sent long before the step began: its prefill may have spanned several steps.
+            load.first_token("r0", 1000.0, t, dispatched_at=t - 5.0)
+        t += 0.100 if (i + 1) % 3 == 0 else 0.050
+    assert load.steps.rate == 0.0  # unknown: no wait is priced
+    assert load.view("r0", t - 0.01).step_wait_tokens == 0.0
 
 
 def test_equal_replicas_prefer_the_one_whose_step_ends_soonest() -> None:
-    # A 100 ms step of a CPU engine, say: a request sent to r2 now waits 150 ms before the
-    # engine even schedules it, worth 1,350 prompt tokens of prefill at 9,000 tokens/s.
-    router = make_router(load_factor=100.0, prefill_tokens_per_s=9000.0)
+    router = make_router(load_factor=100.0)
     text = chat_text(system_prompt(5), "q")
     for name in REPLICAS:  # every replica holds the prompt
         router.record(name, router.request_from_text(text).hashes)
-    remaining = {"r0": 0.120, "r1": 0.004, "r2": 0.150, "r3": 0.090}
-    views = [ReplicaView(name=n, inflight=3, step_remaining_s=remaining[n]) for n in REPLICAS]
+    # 100 ms steps of a CPU engine at 9,000 prefill tokens/s, say: a request sent to r2 now
+    # waits 150 ms before the engine even schedules it, worth 1,350 prompt tokens.
+    wait = {"r0": 1080.0, "r1": 36.0, "r2": 1350.0, "r3": 810.0}
+    views = [ReplicaView(name=n, inflight=3, step_wait_tokens=wait[n]) for n in REPLICAS]
     for u in range(5):
         d = router.route(router.request_from_text(chat_text(system_prompt(5), f"user {u}")), views)
         assert d.replica == "r1"
-    # Without the step term the choice falls to balancing and spreads.
-    plain = make_router(load_factor=100.0, prefill_tokens_per_s=0.0)
-    for name in REPLICAS:
-        plain.record(name, plain.request_from_text(text).hashes)
-    chosen = {plain.route(plain.request_from_text(chat_text(system_prompt(5), f"user {u}")),
-                          views).replica for u in range(8)}
+    # Without the wait the choice falls to balancing and spreads.
+    plain = [ReplicaView(name=n, inflight=3) for n in REPLICAS]
+    chosen = {router.route(router.request_from_text(chat_text(system_prompt(5), f"user {u}")),
+                           plain).replica for u in range(8)}
     assert len(chosen) > 1

@@ -32,12 +32,15 @@ class PrefixAffinity(Policy):
        from `idle_load_weight` when no replica has prefill queued to `load_weight` when all
        do: on a busy fleet a miss is work that every later request pays for, which the
        request's own TTFT does not see, so a hit is worth more than an equal amount of queue;
-       on an idle fleet the queue is what the request waits for.
+       on an idle fleet the queue is what the request waits for. Last, the wait for the
+       engine step in flight there (`ReplicaView.step_wait_tokens`): an engine admits new
+       work only between steps.
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
-    4. Among equally long matches within `tie_tokens` of the cheapest of them, the replica that
-       recently received the least uncached prefill wins (with `balance_horizon` > 0, a
-       decaying per-replica sum), else the rendezvous owner of the prefix key. Balancing keeps
+    4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting
+       the step wait), the replica that recently received the least uncached prefill plus its
+       step wait wins (with `balance_horizon` > 0, a decaying per-replica sum), else the
+       rendezvous owner of the prefix key. Balancing keeps
        prefill work even when cold prompts vary in length; rendezvous makes independent
        gateways agree on a cold prefix's home.
     """
@@ -55,7 +58,6 @@ class PrefixAffinity(Policy):
         load_allowance: int = 0,
         balance_horizon: int = 1000,
         idle_load_weight: float | None = 1.5,
-        prefill_tokens_per_s: float = 0.0,
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (below 1 no replica may take a request)")
@@ -67,7 +69,6 @@ class PrefixAffinity(Policy):
         self.tie_tokens = tie_tokens
         self.load_allowance = max(0, load_allowance)
         self.balance_horizon = balance_horizon
-        self.prefill_tokens_per_s = prefill_tokens_per_s
         self.idle_load_weight = load_weight if idle_load_weight is None else idle_load_weight
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
@@ -88,21 +89,21 @@ class PrefixAffinity(Policy):
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
-        phase = self.prefill_tokens_per_s
         self._decisions += 1
 
-        # (cost, matched, weight, uncached, eligible, name)
-        rows: list[tuple[float, int, int, float, bool, str]] = []
+        # (cost, matched, weight, uncached, eligible, name, step wait)
+        rows: list[tuple[float, int, int, float, bool, str, float]] = []
         best_match = 0
         for r in replicas:
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
-            cost = (uncached + w * (r.pending_prefill_tokens + per_request * r.inflight)
-                    + phase * r.step_remaining_s)
+            wait = r.step_wait_tokens
+            cost = uncached + w * (r.pending_prefill_tokens + per_request * r.inflight) + wait
             eligible = r.inflight + 1 <= bound
-            rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible, r.name))
+            rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
+                         r.name, wait))
 
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
@@ -114,10 +115,12 @@ class PrefixAffinity(Policy):
         near = [row for row in eligible_rows if row[0] <= min_cost + slack]
         top = max(row[1] for row in near)
         longest = [row for row in near if row[1] == top]
-        cheapest = min(row[0] for row in longest)
-        ties = [row for row in longest if row[0] <= cheapest + self.tie_tokens]
+        # Ties are judged without the step wait, which changes from one millisecond to the
+        # next: it must not keep balancing from seeing the replicas that are really even.
+        cheapest = min(row[0] - row[6] for row in longest)
+        ties = [row for row in longest if row[0] - row[6] <= cheapest + self.tie_tokens]
         if self.balance_horizon > 0 and len(ties) > 1:
-            chosen = min(ties, key=lambda row: (self._recent_work(row[5]), -row[2]))
+            chosen = min(ties, key=lambda row: (self._recent_work(row[5]) + row[6], -row[2]))
         else:
             chosen = max(ties, key=lambda row: row[2])
         if self.balance_horizon > 0:
