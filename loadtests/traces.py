@@ -9,10 +9,12 @@ read traces through this module, so they see the same requests.
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,21 +50,36 @@ class TraceRequest:
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL trace (timestamp in ms), sorted by time."""
+    """Read a Mooncake-format JSONL trace (timestamp in ms), sorted by time.
+
+    `hash_ids` should cover `input_length` in 512-token blocks. When a row has fewer ids, the
+    rest of its prompt gets ids of its own (text no other request shares), so the prompt still
+    has `input_length` tokens; extra ids past the length are dropped.
+    """
     out: list[TraceRequest] = []
     with open(path) as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
-            ids = row["hash_ids"]
-            if isinstance(ids, dict):
-                raise ValueError(f"{path}: hash_ids is an object; this is not a Mooncake-format "
-                                 "trace (RAGPulse traces load with load_ragpulse)")
-            out.append(TraceRequest(float(row["timestamp"]) / 1000.0, int(row["input_length"]),
-                                    int(row["output_length"]), tuple(int(h) for h in ids),
-                                    str(row.get("session_id", ""))))
+            try:
+                row = json.loads(line)
+                ids = row["hash_ids"]
+                if isinstance(ids, dict):
+                    raise ValueError("hash_ids is an object; this is not a Mooncake-format "
+                                     "trace (RAGPulse traces load with load_ragpulse)")
+                timestamp = float(row["timestamp"]) / 1000.0
+                input_tokens = max(1, int(row["input_length"]))
+                output_tokens = max(1, int(row["output_length"]))
+                blocks = [int(h) for h in ids]
+            except (KeyError, TypeError, ValueError) as exc:
+                what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{lineno}: {what}") from None
+            n_blocks = -(-input_tokens // BLOCK_TOKENS)
+            head = blocks[-1] if blocks else 0
+            blocks += [_chain(head, f"{path}:{lineno}:{i}") for i in range(n_blocks - len(blocks))]
+            out.append(TraceRequest(timestamp, input_tokens, output_tokens,
+                                    tuple(blocks[:n_blocks]), str(row.get("session_id", ""))))
     out.sort(key=lambda r: r.timestamp_s)
     return out[:limit] if limit else out
 
@@ -105,11 +122,46 @@ def _chain(parent: int, chunk: str) -> int:
     return xxhash.xxh3_64_intdigest(chunk.encode(), seed=parent) >> 2
 
 
+def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read an Azure LLM inference trace (CSV: TIMESTAMP, ContextTokens, GeneratedTokens).
+
+    It has arrival times and lengths but no prefix structure, so every request gets block ids
+    of its own: nothing is shared, and the trace measures how a policy balances load when
+    there is no cache to win (a policy that loses there to least_load pays for its affinity).
+    """
+    out: list[TraceRequest] = []
+    with open(path, newline="") as f:
+        for lineno, row in enumerate(csv.DictReader(f), 2):
+            try:
+                # Seven fractional digits: more than fromisoformat takes before Python 3.11.
+                stamp, _, frac = row["TIMESTAMP"].partition(".")
+                t = datetime.fromisoformat(stamp).timestamp() + float(f"0.{frac or 0}")
+                input_tokens = max(1, int(row["ContextTokens"]))
+                output_tokens = max(1, int(row["GeneratedTokens"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                what = f"missing column {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{lineno}: {what}") from None
+            n_blocks = -(-input_tokens // BLOCK_TOKENS)
+            head = _chain(0, f"azure:{lineno}")
+            out.append(TraceRequest(t, input_tokens, output_tokens,
+                                    (head, *(_chain(head, str(i)) for i in range(1, n_blocks)))))
+            if limit and len(out) >= limit:
+                break
+    if out:
+        start = min(r.timestamp_s for r in out)
+        out = [TraceRequest(r.timestamp_s - start, r.input_tokens, r.output_tokens, r.hash_ids)
+               for r in out]
+    out.sort(key=lambda r: r.timestamp_s)
+    return out
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """A Mooncake JSONL file, or a RAGPulse directory."""
+    """A Mooncake JSONL file, a RAGPulse directory, or an Azure CSV."""
     p = Path(path)
     if p.is_dir():
         return load_ragpulse(p, limit)
+    if p.suffix.lower() == ".csv":
+        return load_azure(p, limit)
     return load_mooncake(p, limit)
 
 

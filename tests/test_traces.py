@@ -1,0 +1,63 @@
+"""Trace loading: Mooncake rows made whole, malformed rows named, Azure CSVs without prefixes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.sim.prompt import estimate_tokens
+from loadtests.traces import BLOCK_TOKENS, ideal_hit_ratio, load_trace, prompt_text
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_mooncake_rows_with_too_few_ids_get_unshared_blocks(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 1200, "output_length": 5, "hash_ids": [7]},
+        {"timestamp": 5, "input_length": 1200, "output_length": 5, "hash_ids": [7]},
+        {"timestamp": 9, "input_length": 300, "output_length": 5, "hash_ids": []},
+        {"timestamp": 12, "input_length": 100, "output_length": 5, "hash_ids": [7, 8, 9]},
+    ])
+    reqs = load_trace(trace)
+    # Every prompt has its stated length in tokens, whatever its ids covered.
+    assert [estimate_tokens(prompt_text(r)) for r in reqs] == [1200, 1200, 300, 100]
+    assert [len(r.hash_ids) for r in reqs] == [3, 3, 1, 1]
+    # The shared first block is still shared; the padding of two rows is not.
+    assert reqs[0].hash_ids[0] == reqs[1].hash_ids[0] == 7
+    assert not set(reqs[0].hash_ids[1:]) & set(reqs[1].hash_ids[1:])
+    # Hits: the second row's first block, and the last row's only (100-token) block.
+    assert ideal_hit_ratio(reqs) == pytest.approx((BLOCK_TOKENS + 100) / (1200 + 1200 + 300 + 100))
+
+
+def test_malformed_mooncake_row_is_named_by_line(tmp_path: Path) -> None:
+    trace = write_jsonl(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]},
+        {"timestamp": 1, "output_length": 5, "hash_ids": [1]},
+    ])
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: missing field 'input_length'"):
+        load_trace(trace)
+
+
+def test_azure_csv_has_relative_times_and_nothing_shared(tmp_path: Path) -> None:
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:17:03.9799600,4808,10\n"
+                     "2023-11-16 18:17:04.0319600,3180,8\n"
+                     "2023-11-16 18:17:05.0000000,4808,1\n")
+    reqs = load_trace(trace)
+    assert [r.timestamp_s for r in reqs] == pytest.approx([0.0, 0.052, 1.02004])
+    assert [r.input_tokens for r in reqs] == [4808, 3180, 4808]
+    assert [estimate_tokens(prompt_text(r)) for r in reqs] == [4808, 3180, 4808]
+    assert ideal_hit_ratio(reqs) == 0.0  # equal lengths, yet no prefix in common
+
+
+def test_azure_csv_with_a_missing_column_is_a_clear_error(tmp_path: Path) -> None:
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,4808\n")
+    with pytest.raises(ValueError, match=r"azure\.csv:2: missing column 'GeneratedTokens'"):
+        load_trace(trace)
