@@ -34,6 +34,8 @@ from loadtests.simulate import (
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = "../shared/traces/synthetic_trace.jsonl"
 RAGPULSE = "../shared/traces/ragpulse"
+AZURE_CODE = "../shared/traces/azure/AzureLLMInferenceTrace_code.csv"
+AZURE_CONV = "../shared/traces/azure/AzureLLMInferenceTrace_conv.csv"
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,13 @@ def _scenarios() -> list[Scenario]:
         # RAGPulse: one week compressed; a shared system prompt and little else to reuse.
         out += [Scenario("ragpulse", n, "light", False, trace=RAGPULSE, speedup=300 * k),
                 Scenario("ragpulse", n, "heavy", False, trace=RAGPULSE, speedup=700 * k)]
+        # Azure's 2023 production traces (Splitwise): real arrivals and lengths, no prefixes
+        # to reuse, so they test balancing alone. code: bursty, 2k-token prompts, short
+        # outputs; conv: 1.2k-token prompts, 211-token outputs (x3 is past saturation).
+        out += [Scenario("azure_code", n, "light", False, trace=AZURE_CODE, speedup=1 * k),
+                Scenario("azure_code", n, "heavy", False, trace=AZURE_CODE, speedup=2 * k),
+                Scenario("azure_conv", n, "light", False, trace=AZURE_CONV, speedup=1 * k),
+                Scenario("azure_conv", n, "heavy", False, trace=AZURE_CONV, speedup=2 * k)]
         # llm-d's B2B shape: 6k-token tenant contexts; KV demand 300 x 6,144 tokens per 8
         # replicas = 3.6 replica caches, 45% of the fleet's.
         ten = {"n_tenants": 300 * k, "n_requests": 4000 * k}
