@@ -8,7 +8,8 @@ SAME_STEP_FRACTION = 0.3
 OUTLIER_STEPS = 3.0
 """A gap over this many typical steps (a long prefill, a pause) does not move the estimates."""
 STEP_EWMA = 0.2
-RATE_HALF_LIFE_SAMPLES = 200
+DECAY_SAMPLES = 200
+"""The rate and decode-step fits weigh their samples by (1 - 1/DECAY_SAMPLES)^age."""
 RATE_MIN_SAMPLES = 20
 """Prefill-rate samples needed before the learned rate is used."""
 
@@ -19,7 +20,9 @@ class StepTimer:
     An engine streams one chunk per running request at the end of every step, so the gaps
     between a replica's chunks time its steps, and the last chunk says when the step in flight
     began. A request sent there now waits for that step to end before the engine even looks at
-    it; `wait_tokens` prices that wait in prompt tokens, at the engines' prefill rate.
+    it; `LoadTracker.view` prices that wait in prompt tokens at the engines' prefill rate.
+    Step times are per replica; the rate and the decode-step fit are pool-wide, since a pool's
+    replicas run one model.
 
     The rate is configured, or learned: a step that ends with the first token of requests
     dispatched during the step before carried their whole prefill, so its length minus a
@@ -105,7 +108,7 @@ class StepTimer:
             return
         decode = self._decode.predict(batch)
         if prefill is not None and decode is not None and length > decode:
-            keep = 1.0 - 1.0 / RATE_HALF_LIFE_SAMPLES
+            keep = 1.0 - 1.0 / DECAY_SAMPLES
             self._rate_tokens = self._rate_tokens * keep + prefill
             self._rate_seconds = self._rate_seconds * keep + (length - decode)
             self._rate_samples += 1
@@ -157,7 +160,7 @@ class DecodeFit:
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
     def observe(self, batch: int, seconds: float) -> None:
-        keep = 1.0 - 1.0 / RATE_HALF_LIFE_SAMPLES
+        keep = 1.0 - 1.0 / DECAY_SAMPLES
         self._n = self._n * keep + 1.0
         self._sx = self._sx * keep + batch
         self._sy = self._sy * keep + seconds
