@@ -138,6 +138,9 @@ def test_admin_stats_and_cli_show_counts(fleet) -> None:
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "stats", "--url", gw.url],
                          capture_output=True, text=True, check=True).stdout
     assert "pool realtime" in out and "pool batch" in out
+    # With no rate configured, each pool learns its engines' prefill rate and says so.
+    assert rt["prefill_rate_learned"] is True
+    assert out.count("(learned)") == 2
     total = sum(r["requests"] for r in rt["replicas"])
     # The table's request column agrees with the JSON (at least as many, as time moved on).
     table_total = sum(int(line.split()[3]) for line in out.splitlines()
