@@ -3,7 +3,7 @@
 Each table is one `loadtests/simulate.py` command (printed above it), so every figure in
 docs/routing.md comes from a committed command:
 
-    python loadtests/scoreboard.py                 # everything (about 15 min on 2 cores)
+    python loadtests/scoreboard.py                 # everything (about 5 min on 2 cores)
     python loadtests/scoreboard.py --only tenants  # scenarios whose name contains "tenants"
 """
 
