@@ -241,6 +241,18 @@ class InferenceEndpoint:
         saw_first = False
         status = "error"
         watcher = StreamWatcher(keep=aggregate)
+
+        def observe(chunk: bytes) -> None:
+            # Every chunk ends an engine step there (step timing); the first with content
+            # ends this request's prefill.
+            nonlocal saw_first
+            now = perf_counter()
+            watcher.feed(chunk, now)
+            load.chunk(name, now)
+            if not saw_first and watcher.first_token_at is not None:
+                saw_first = True
+                load.first_token(name, uncached, now, sent_at)
+
         headers = call.headers
         auth = replica.auth or call.client_auth
         if auth:
@@ -280,21 +292,11 @@ class InferenceEndpoint:
                             "headers": [*_SSE, *extra]})
                 async for chunk in resp.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    now = perf_counter()
-                    watcher.feed(chunk, now)
-                    load.chunk(name, now)
-                    if not saw_first and watcher.first_token_at is not None:
-                        saw_first = True
-                        load.first_token(name, uncached, now, sent_at)
+                    observe(chunk)
                 await send({"type": "http.response.body", "body": b""})
             elif aggregate:
                 async for chunk in resp.content.iter_any():
-                    now = perf_counter()
-                    watcher.feed(chunk, now)
-                    load.chunk(name, now)
-                    if not saw_first and watcher.first_token_at is not None:
-                        saw_first = True
-                        load.first_token(name, uncached, now, sent_at)
+                    observe(chunk)
                 if watcher.error is not None:
                     status = "502"
                     body = orjson.dumps(watcher.error)
