@@ -40,9 +40,8 @@ class PrefixAffinity(Policy):
     4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting
        the step wait), the replica that recently received the least uncached prefill plus its
        step wait wins (with `balance_horizon` > 0, a decaying per-replica sum), else the
-       rendezvous owner of the prefix key. Balancing keeps
-       prefill work even when cold prompts vary in length; rendezvous makes independent
-       gateways agree on a cold prefix's home.
+       rendezvous owner of the prefix key. Balancing keeps prefill work even when cold prompts
+       vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
     """
 
     name = "prefix_affinity"
