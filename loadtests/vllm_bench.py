@@ -310,16 +310,27 @@ async def sample_engines(urls: Sequence[str], stop: asyncio.Event, out: list[lis
 
 
 def parse_variant(variant: str) -> tuple[str, str, float | None]:
-    """``policy[+hashing][@chars_per_token]`` -> (policy, hashing, chars_per_token)."""
-    head, _, cpt = variant.partition("@")
+    """``policy[+hashing][@chars_per_token][/KEY=VALUE...]`` -> (policy, hashing,
+    chars_per_token); the KEY=VALUE routing settings come from `variant_settings`."""
+    head, _, cpt = variant.split("/")[0].partition("@")
     policy, _, mode = head.partition("+")
     return policy, mode or "chars", float(cpt) if cpt else None
 
 
+def variant_settings(variant: str) -> dict[str, Any]:
+    """The ``/KEY=VALUE`` routing settings of a variant, e.g. ``/prefill_tokens_per_s=0``."""
+    out: dict[str, Any] = {}
+    for item in variant.split("/")[1:]:
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value)
+    return out
+
+
 def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str,
-                   chars_per_token: float | None = None) -> dict[str, Any]:
-    """One pool of the vLLM replicas with this policy and hashing mode."""
-    routing: dict[str, Any] = {"policy": policy, "hashing": hashing}
+                   chars_per_token: float | None = None,
+                   settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One pool of the vLLM replicas with this policy, hashing mode and other settings."""
+    routing: dict[str, Any] = {**(settings or {}), "policy": policy, "hashing": hashing}
     if chars_per_token:
         routing["chars_per_token"] = chars_per_token
     return one_pool_config(list(urls), port, pool="bench", models=(MODEL,),
@@ -424,24 +435,41 @@ def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str,
 
 
 def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
-                  name: str, chars_per_token: float | None = None) -> tuple[str, Any]:
+                  name: str, chars_per_token: float | None = None,
+                  settings: dict[str, Any] | None = None) -> tuple[str, Any]:
     """Spawn `gateway.cli serve` with a generated config; wait for /ready."""
     port = processes.free_ports(1)[0]
     url, proc, _ = processes.start_gateway(
-        gateway_config(urls, port, policy, hashing, chars_per_token), log_dir, name,
+        gateway_config(urls, port, policy, hashing, chars_per_token, settings), log_dir, name,
         deadline_s=180, env={"PYTHONPATH": str(ROOT)})
     return url, proc
+
+
+def step_figures(gw_url: str) -> dict[str, Any]:
+    """The gateway's prefill rate and per-replica engine step times, from /admin/stats."""
+    import urllib.request
+
+    with urllib.request.urlopen(gw_url + "/admin/stats", timeout=10) as r:
+        pool = json.loads(r.read())["pools"][0]
+    steps = [x["engine_step_s"] for x in pool["replicas"] if x["engine_step_s"] is not None]
+    return {"prefill_tokens_per_s": pool["prefill_tokens_per_s"],
+            "prefill_rate_learned": pool["prefill_rate_learned"],
+            "engine_step_s": [round(v, 4) for v in steps]}
 
 
 def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.Namespace,
                 log_dir: Path, tag: str) -> dict[str, Any]:
     """One gateway process, one workload run, for a policy[+engine_tokens] variant."""
     policy, hashing, cpt = parse_variant(variant)
+    settings = variant_settings(variant)
+    suffix = "-".join(f"{k}{v}" for k, v in settings.items())
     gw_url, proc = start_gateway(urls, policy, hashing, log_dir,
-                                 f"gw-{tag}-{policy}-{hashing}-{cpt or ''}", cpt)
+                                 f"gw-{tag}-{policy}-{hashing}-{cpt or ''}{suffix}", cpt,
+                                 settings)
     try:
         res = run_async(run_once(urls, gw_url, wl, args.concurrency, args.max_tokens,
                                  tokenize_probe=hashing == "engine_tokens"))
+        res.update(step_figures(gw_url))
     finally:
         processes.stop_all([proc])
     res.update(variant=variant, policy=policy, hashing=hashing, chars_per_token=cpt)
@@ -514,7 +542,7 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
                                 args.reply_tokens, args.seed)
             log(f"workload: {len(wl.turns)} requests, system prompts {wl.system_tokens} tokens,"
                 f" longest prompt {wl.max_prompt_tokens} tokens")
-        if any(v.endswith("engine_tokens") for v in variants):
+        if any(parse_variant(v)[1] == "engine_tokens" for v in variants):
             info["tokenize_idle"] = run_async(tokenize_idle(urls[0], wl, args.tokenize_trials))
             log(f"[{label}] /tokenize idle: {info['tokenize_idle']}")
         for rep in range(args.repeats):
@@ -526,7 +554,8 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
                 log(f"[{label}] rep {rep} {v}: TTFT p50 {fmt_ms(res['ttft_p50_s'])} p90 "
                     f"{fmt_ms(res['ttft_p90_s'])} hit {fmt_ratio(res['engine_hit_ratio'])} "
                     f"errors {res['errors']} wall {res['wall_s']} s "
-                    f"tenants {res['tenants_per_replica']}")
+                    f"tenants {res['tenants_per_replica']} prefill rate "
+                    f"{res['prefill_tokens_per_s']} steps {res['engine_step_s']}")
     finally:
         launch.stop_replicas(reps)
     return info, wl

@@ -28,7 +28,8 @@ class LoadTracker:
 
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
-        self.steps.chunk(replica, now, self.inflight.get(replica, 0))
+        self.steps.chunk(replica, now, self.inflight.get(replica, 0),
+                         self.pending_prefill.get(replica, 0.0) > 0.0)
 
     def first_token(self, replica: str, uncached_tokens: float, now: float | None = None,
                     dispatched_at: float | None = None) -> None:

@@ -5,6 +5,8 @@ Slow (two real engines start on two cores): run alone with `pytest -m engine`.
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -114,3 +116,42 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
             gw.stop()
     assert hit_tokens["prefix_affinity"] > hit_tokens["round_robin"], hit_tokens
 
+
+
+def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_path) -> None:
+    url = vllm_replicas[0].url
+    config = one_pool_config([url], processes.free_ports(1)[0], replica_prefix="vllm",
+                             health={"interval_s": 0.5, "metrics_interval_s": 0.25})
+    gw = start_gateway(config, tmp_path, name="steps")
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        done = threading.Event()
+
+        def keep_busy() -> None:
+            # Streams one after another keep the engine stepping, so each request below is
+            # sent while a step runs. (This tiny model decodes a token in about a
+            # millisecond on CPU: one stream alone would end long before the requests do.)
+            while not done.is_set():
+                for _ in c.completions.create(model="tiny", prompt="background " * 40,
+                                              max_tokens=2000, stream=True,
+                                              extra_body={"ignore_eos": True}):
+                    if done.is_set():
+                        break
+
+        background = threading.Thread(target=keep_busy)
+        background.start()
+        try:
+            for i in range(40):
+                prompt = f"Request {i}. " + " ".join(f"fresh clause {i}.{j} never seen before."
+                                                     for j in range(60))
+                c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+            pool = httpx.get(gw.url + "/admin/stats").json()["pools"][0]
+        finally:
+            done.set()
+            background.join(timeout=120)
+    finally:
+        gw.stop()
+    assert pool["prefill_rate_learned"] is True
+    # Learned from the steps that carried these prompts' prefills, through vLLM's own stream.
+    assert pool["prefill_tokens_per_s"], pool
+    assert pool["replicas"][0]["engine_step_s"] > 0

@@ -228,37 +228,46 @@ def test_idle_replica_has_no_step_to_wait_for() -> None:
     assert load.steps.step_s["r0"] == pytest.approx(0.05)
 
 
-def test_prefill_rate_is_learned_from_steps_that_carry_a_prefill() -> None:
-    # An engine whose decode step takes 50 ms and which prefills 20,000 tokens/s: a step that
-    # also prefills a 1,000-token prompt takes 100 ms.
-    load = LoadTracker()
-    load.dispatched("r0", 0.0)  # a long-running stream keeps the replica busy
+def replay_steps(load: LoadTracker, steps: list[tuple[float, str]]) -> float:
+    """Feed a replica's chunks: `steps` are (length, event) with event "" (decode), "send"
+    (a request is sent just after the step began) or "first" (the step ends with the first
+    token of the request sent last). A long stream keeps the replica busy throughout."""
+    load.dispatched("r0", 0.0)
     t = 0.0
-    for i in range(90):
+    sent_at = 0.0
+    load.chunk("r0", t)
+    for length, event in steps:
+        if event == "send":
+            sent_at = t + 0.001
+            load.dispatched("r0", 1000.0)
+        t += length
         load.chunk("r0", t)
-        if i % 3 == 0 and i:
-            # First token of a request sent while the step before ran (from t - 150 ms to
-            # t - 100 ms), so this 100 ms step carried its whole prefill.
-            load.first_token("r0", 1000.0, t, dispatched_at=t - 0.12)
-        # The next step carries a prefill when the following chunk is a first token.
-        t += 0.100 if (i + 1) % 3 == 0 else 0.050
+        if event == "first":
+            load.first_token("r0", 1000.0, t, dispatched_at=sent_at)
+    return t
+
+
+def test_prefill_rate_is_learned_from_steps_that_carry_a_prefill() -> None:
+    # Decode steps take 50 ms; a step that also prefills 1,000 tokens takes 100 ms: 20,000
+    # tokens/s. Half the requests wait two decode steps before the engine admits them, as a
+    # real engine's input processing makes them.
+    load = LoadTracker()
+    cycle_now = [(0.05, ""), (0.05, "send"), (0.10, "first")]
+    cycle_late = [(0.05, ""), (0.05, "send"), (0.05, ""), (0.05, ""), (0.10, "first")]
+    replay_steps(load, (cycle_now + cycle_late) * 15)
     assert load.steps.learning
     assert load.steps.rate == pytest.approx(20_000.0, rel=0.02)
     assert load.steps.decode_s(1) == pytest.approx(0.050)
 
 
-def test_unattributable_prefill_teaches_nothing() -> None:
+def test_chunked_prefill_teaches_nothing() -> None:
+    # Each prompt is prefilled in two 100 ms chunks; only the second ends in a first token.
+    # Counting that step alone would claim twice the true rate: the step before it was no
+    # decode step, and the request was sent two steps before, so it is not counted.
     load = LoadTracker()
-    load.dispatched("r0", 0.0)
-    t = 0.0
-    for i in range(90):
-        load.chunk("r0", t)
-        if i % 3 == 0 and i:
-            # Sent long before the step began: its prefill may have spanned several steps.
-            load.first_token("r0", 1000.0, t, dispatched_at=t - 5.0)
-        t += 0.100 if (i + 1) % 3 == 0 else 0.050
+    t = replay_steps(load, [(0.05, ""), (0.05, "send"), (0.10, ""), (0.10, "first")] * 30)
     assert load.steps.rate == 0.0  # unknown: no wait is priced
-    assert load.view("r0", t - 0.01).step_wait_tokens == 0.0
+    assert load.view("r0", t + 0.01).step_wait_tokens == 0.0
 
 
 def test_equal_replicas_prefer_the_one_whose_step_ends_soonest() -> None:
