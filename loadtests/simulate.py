@@ -118,7 +118,6 @@ class Workload:
         hashes, tokens = self.engine_prompts(block_tokens)
         seen: set[int] = set()
         total = 0.0
-        budget = profile.max_batched_tokens
         for chain, prompt in zip(hashes, tokens, strict=True):
             usable = chain[: (prompt - 1) // block_tokens]  # vLLM recomputes the last token
             matched = 0
@@ -127,14 +126,7 @@ class Workload:
                     break
                 matched += 1
             seen.update(chain)
-            cached = matched * block_tokens
-            t = profile.cached_token_s * cached
-            done = cached
-            while done < prompt:
-                k = min(budget, prompt - done)
-                t += profile.step_overhead_s + profile.prefill_chunk_s(k, done)
-                done += k
-            total += t
+            total += profile.ttft_s(prompt, matched * block_tokens)
         got = self._floor[(profile.name, block_tokens)] = total / len(tokens) if tokens else 0.0
         return got
 

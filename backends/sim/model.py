@@ -82,13 +82,17 @@ class LatencyProfile:
         return self.decode_base_s + self.decode_per_seq_s * batch if batch else 0.0
 
     def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """TTFT of a lone request whose prompt fits one step's token budget."""
-        new = prompt_tokens - cached_tokens
-        return (
-            self.step_overhead_s
-            + self.prefill_chunk_s(new, cached_tokens)
-            + self.cached_token_s * cached_tokens
-        )
+        """TTFT of a lone request on an idle engine: its uncached tokens are prefilled in
+        chunks of `max_batched_tokens`, one step each (at least one step, as vLLM computes
+        the last prompt token even on a full hit)."""
+        t = self.cached_token_s * cached_tokens
+        done = cached_tokens
+        while True:
+            k = min(self.max_batched_tokens, prompt_tokens - done)
+            t += self.step_overhead_s + self.prefill_chunk_s(max(0, k), done)
+            done += k
+            if done >= prompt_tokens:
+                return t
 
 
 PROFILES: dict[str, LatencyProfile] = {
