@@ -61,6 +61,16 @@ class HealthMonitor:
         while True:
             await asyncio.sleep(pool.health.metrics_interval_s)
             await asyncio.gather(*(self._scrape(pool, r) for r in pool.replicas.values()))
+            self._export_step_timing(pool)
+
+    def _export_step_timing(self, pool: Pool) -> None:
+        """The gateway's own step timing: it needs no engine metrics, so it is exported even
+        for replicas whose /metrics cannot be read."""
+        m = self.metrics
+        steps = pool.load.steps
+        for name, step in steps.step_s.items():
+            m.engine_step.labels(pool.name, name).set(step)
+        m.prefill_rate.labels(pool.name).set(steps.rate)
 
     async def _probe(self, pool: Pool, r: ReplicaState) -> None:
         outcome = await pool.adapter.probe(self.http, r.base_url, pool.health.timeout_s)
@@ -99,10 +109,6 @@ class HealthMonitor:
             m.engine_waiting.labels(pool.name, r.name).set(snap.waiting)
         if snap.kv_usage is not None:
             m.engine_kv_usage.labels(pool.name, r.name).set(snap.kv_usage)
-        step = pool.load.steps.step_s.get(r.name)
-        if step is not None:
-            m.engine_step.labels(pool.name, r.name).set(step)
-        m.prefill_rate.labels(pool.name).set(pool.load.steps.rate)
 
     def mark_failed(self, pool: Pool, r: ReplicaState, error: str,
                     suspect: bool = False) -> None:
