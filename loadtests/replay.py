@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
 from gateway import processes  # noqa: E402
 from gateway.config import RoutingSettings  # noqa: E402
 from gateway.defaults import one_pool_config  # noqa: E402
+from loadtests.settings import key_value  # noqa: E402
 from loadtests.traces import (  # noqa: E402
     BLOCK_TOKENS,
     SYNTHETIC,
@@ -497,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   type=key_value,
                    help="a gateway routing setting, e.g. load_weight=1 (repeatable; without --url)")
     p.add_argument("--label", help="policy name to report (default: the policy, or 'external')")
     p.add_argument("--model", default=MODEL, help="model name to send")
@@ -538,11 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("replay: --replica-urls needs --url")
                 replica_urls = start_sims(fleet, args.replicas, args.kv_capacity_tokens,
                                           args.profile, args.time_scale)
-                routing = {}
-                for kv in args.settings:
-                    key, _, value = kv.partition("=")
-                    routing[key] = json.loads(value)
-                url, _ = start_gateway(fleet, replica_urls, args.policy, routing=routing)
+                url, _ = start_gateway(fleet, replica_urls, args.policy,
+                                       routing=dict(args.settings))
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "

@@ -37,6 +37,7 @@ from backends.sim.model import PROFILES, EngineModel, LatencyProfile
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
+from loadtests.settings import key_value
 from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
@@ -367,22 +368,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT)
     ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
     ap.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                    type=key_value,
                     help="synthetic workload parameter, e.g. n_tenants=150 (repeatable)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    type=key_value,
                     help="gateway RoutingSettings field, e.g. load_weight=1 (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = ap.parse_args(argv)
     if args.replicas < 1:
         ap.error("--replicas must be at least 1")
-    params: dict[str, Any] = {}
-    for kv in args.workload_param:
-        key, _, value = kv.partition("=")
-        params[key] = json.loads(value)
-    overrides: dict[str, Any] = {}
-    for kv in args.settings:
-        key, _, value = kv.partition("=")
-        overrides[key] = json.loads(value)
-    settings = RoutingSettings(**overrides)
+    params = dict(args.workload_param)
+    settings = RoutingSettings(**dict(args.settings))
     workload = load_workload(args.trace, args.workload, limit=args.limit, speedup=args.speedup,
                              params=params)
     policies = ALL_POLICIES if args.policy == "all" else (args.policy,)

@@ -48,6 +48,7 @@ from loadtests.replay import (  # noqa: E402
     run_async,
     sigterm_as_interrupt,
 )
+from loadtests.settings import key_value  # noqa: E402
 from loadtests.traces import _WORDS  # noqa: E402
 
 MODEL = "tiny"
@@ -319,11 +320,7 @@ def parse_variant(variant: str) -> tuple[str, str, float | None]:
 
 def variant_settings(variant: str) -> dict[str, Any]:
     """The ``/KEY=VALUE`` routing settings of a variant, e.g. ``/prefill_tokens_per_s=0``."""
-    out: dict[str, Any] = {}
-    for item in variant.split("/")[1:]:
-        key, _, value = item.partition("=")
-        out[key] = json.loads(value)
-    return out
+    return dict(key_value(item) for item in variant.split("/")[1:])
 
 
 def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str,

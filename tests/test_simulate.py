@@ -103,3 +103,14 @@ def test_sglang_emulation_pins_a_prefix_then_balances_when_imbalanced() -> None:
     assert again.replica == "w0"  # match rate above 0.3 wins while the pool is balanced
     skewed = [ReplicaView("w0", inflight=100), ReplicaView("w1", inflight=10), ReplicaView("w2")]
     assert router.route(router.request_from_text(text + "q3"), skewed).replica == "w2"
+
+
+def test_settings_are_key_values_with_json_values() -> None:
+    from loadtests.settings import key_value
+
+    assert key_value("load_weight=1") == ("load_weight", 1)
+    assert key_value("prefill_tokens_per_s=null") == ("prefill_tokens_per_s", None)
+    assert key_value("policy=round_robin") == ("policy", "round_robin")  # not JSON: text
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "hot_prompt", "--limit", "5", "--set", "load_weight"])
+    assert exc.value.code == 2  # argparse: "expected KEY=VALUE, got 'load_weight'"

@@ -1,0 +1,19 @@
+"""KEY=VALUE settings on the command line, with JSON values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as (key, value): the value is read as JSON when it parses (1, 0.5, null,
+    true), else kept as text, so ``policy=round_robin`` needs no quotes. An argparse type."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
