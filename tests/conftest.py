@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,6 +118,30 @@ def fleet(tmp_path_factory) -> Iterator[tuple[Gateway, Sims]]:
     yield gw, sims
     gw.stop()
     sims.stop()
+
+
+@contextlib.contextmanager
+def streaming_meanwhile(client, **extra_body) -> Iterator[None]:
+    """Keep a replica streaming, one long completion after another, while the block runs, so
+    requests sent in the block arrive while its engine steps (and its whole prefill lands in
+    one step, which is how the gateway learns the prefill rate)."""
+    done = threading.Event()
+
+    def stream() -> None:
+        while not done.is_set():
+            for _ in client.completions.create(model="tiny", prompt="background " * 40,
+                                               max_tokens=2000, stream=True,
+                                               extra_body=extra_body or None):
+                if done.is_set():
+                    break
+
+    background = threading.Thread(target=stream)
+    background.start()
+    try:
+        yield
+    finally:
+        done.set()
+        background.join(timeout=120)
 
 
 @pytest.fixture

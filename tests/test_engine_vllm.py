@@ -5,8 +5,6 @@ Slow (two real engines start on two cores): run alone with `pytest -m engine`.
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import openai
 import pytest
@@ -14,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import processes
 from gateway.defaults import one_pool_config
-from tests.conftest import poll, start_gateway
+from tests.conftest import poll, start_gateway, streaming_meanwhile
 
 pytestmark = pytest.mark.engine
 
@@ -125,30 +123,14 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
     gw = start_gateway(config, tmp_path, name="steps")
     try:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        done = threading.Event()
-
-        def keep_busy() -> None:
-            # Streams one after another keep the engine stepping, so each request below is
-            # sent while a step runs. (This tiny model decodes a token in about a
-            # millisecond on CPU: one stream alone would end long before the requests do.)
-            while not done.is_set():
-                for _ in c.completions.create(model="tiny", prompt="background " * 40,
-                                              max_tokens=2000, stream=True,
-                                              extra_body={"ignore_eos": True}):
-                    if done.is_set():
-                        break
-
-        background = threading.Thread(target=keep_busy)
-        background.start()
-        try:
+        # This tiny model decodes a token in about a millisecond on CPU: without ignore_eos a
+        # background stream would end long before the requests do.
+        with streaming_meanwhile(c, ignore_eos=True):
             for i in range(40):
                 prompt = f"Request {i}. " + " ".join(f"fresh clause {i}.{j} never seen before."
                                                      for j in range(60))
                 c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
             pool = httpx.get(gw.url + "/admin/stats").json()["pools"][0]
-        finally:
-            done.set()
-            background.join(timeout=120)
     finally:
         gw.stop()
     assert pool["prefill_rate_learned"] is True

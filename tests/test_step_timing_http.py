@@ -1,8 +1,6 @@
-"""The gateway times engine steps and learns the prefill rate from a real replica's stream."""
+"""The gateway times engine steps and learns the prefill rate from a replica's stream over HTTP."""
 
 from __future__ import annotations
-
-import threading
 
 import httpx
 import openai
@@ -10,7 +8,7 @@ import openai
 from backends.sim.model import PROFILES
 from gateway import processes
 from gateway.defaults import one_pool_config
-from tests.conftest import start_gateway, start_sims
+from tests.conftest import start_gateway, start_sims, streaming_meanwhile
 
 PROFILE = "llama-8b-h200"
 
@@ -24,26 +22,11 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
                                            health={"metrics_interval_s": 0.2}), tmp_path)
         try:
             client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
-            done = threading.Event()
-
-            def keep_busy() -> None:
-                # A long stream keeps the engine stepping, so each new request is sent while a
-                # step runs and its whole prefill lands in the next one.
-                for _ in client.completions.create(model="tiny", prompt="background " * 50,
-                                                   max_tokens=2000, stream=True):
-                    if done.is_set():
-                        break
-
-            background = threading.Thread(target=keep_busy)
-            background.start()
-            try:
+            with streaming_meanwhile(client):
                 for i in range(40):
                     prompt = f"request {i}: " + "fresh words that nobody cached before " * 100
                     client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
                 stats = httpx.get(gw.url + "/admin/stats").json()
-            finally:
-                done.set()
-                background.join(timeout=60)
         finally:
             gw.stop()
     finally:
@@ -52,6 +35,7 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
     assert pool["prefill_rate_learned"] is True
     rate = pool["prefill_tokens_per_s"]
     assert rate, pool
-    # Hidden work and transit can only lengthen a step, so the rate errs low, never high.
+    # Hidden work can only lengthen a step, and timing noise moves the rate a few percent: it
+    # must never land far above the engine's, the side where the step wait outweighs hits.
     assert rate < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, rate
     assert pool["replicas"][0]["engine_step_s"] > 0
