@@ -68,7 +68,7 @@ class HealthMonitor:
         for replicas whose /metrics cannot be read."""
         m = self.metrics
         steps = pool.load.steps
-        for name, step in steps.step_s.items():
+        for name, step in steps.step_times().items():
             m.engine_step.labels(pool.name, name).set(step)
         m.prefill_rate.labels(pool.name).set(steps.rate)
 

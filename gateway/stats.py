@@ -48,8 +48,7 @@ class StatsRecorder:
                     "last_error": r.last_error or None,
                     "inflight": pool.load.inflight.get(r.name, 0),
                     "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
-                    "engine_step_s": (round(step, 4) if (step := pool.load.steps.step_s.get(r.name))
-                                      is not None else None),
+                    "engine_step_s": _round(pool.load.steps.step_s(r.name)),
                     "requests": s.requests,
                     "errors": s.errors,
                     "estimated_hit_ratio": round(s.hit_blocks / looked, 4) if looked else None,
@@ -74,6 +73,10 @@ class StatsRecorder:
                 "replicas": reps,
             })
         return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _quantile(values: deque[float], q: float) -> float | None:

@@ -32,27 +32,17 @@ class StepTimer:
     The rate is configured, or learned: a step that ends with the first token of requests
     dispatched no earlier than during the step before, or that follows a decode-only step,
     carried their whole prefill, so its length minus a decode-only step's is what those
-    uncached tokens cost. Other work hidden in
-    the same step (a chunk of a long prompt) only makes the learned rate lower, which is the
-    safe side: a rate too high lets the phase of a step outweigh cache hits and queues.
+    uncached tokens cost. Other work hidden in the same step (a chunk of a long prompt) only
+    makes the learned rate lower, which is the safe side: a rate too high lets the phase of a
+    step outweigh cache hits and queues.
     """
 
     __slots__ = ("_decode", "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens",
-                 "last_end", "prev_decode_only", "prev_end", "step_awaiting", "step_batch",
-                 "step_firsts", "step_prefill", "step_s")
+                 "_replicas")
 
     def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
         self._fixed_rate = prefill_tokens_per_s
-        self.last_end: dict[str, float] = {}
-        self.prev_end: dict[str, float] = {}
-        self.step_s: dict[str, float] = {}
-        self.step_batch: dict[str, int] = {}  # requests in flight when the last step ended
-        self.step_awaiting: dict[str, bool] = {}  # a prefill was waiting when it began
-        self.step_firsts: dict[str, int] = {}  # first tokens in the last step
-        self.prev_decode_only: dict[str, bool] = {}  # the step before the last: decode alone?
-        # Uncached tokens whose prefill ended in the replica's last step; None when the step
-        # also finished a prefill that cannot be attributed to it alone.
-        self.step_prefill: dict[str, float | None] = {}
+        self._replicas: dict[str, _Steps] = {}
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
         self._rate_samples = 0
@@ -69,7 +59,17 @@ class StepTimer:
 
     @property
     def learning(self) -> bool:
+        """Whether the rate is learned (none was configured)."""
         return self._fixed_rate is None
+
+    def step_s(self, replica: str) -> float | None:
+        """The replica's typical step length, a moving average (None until timed)."""
+        r = self._replicas.get(replica)
+        return r.step_s if r is not None else None
+
+    def step_times(self) -> dict[str, float]:
+        """Every timed replica's typical step length."""
+        return {name: r.step_s for name, r in self._replicas.items() if r.step_s is not None}
 
     def decode_s(self, batch: int) -> float | None:
         """Expected length of a decode-only step over `batch` sequences (None until seen)."""
@@ -79,97 +79,107 @@ class StepTimer:
               awaiting_prefill: bool = False) -> None:
         """The replica, with `inflight` requests there (some `awaiting_prefill`: sent, no
         first token yet), streamed a chunk at `now`."""
-        last = self.last_end.get(replica)
-        if last is None:
-            self.last_end[replica] = now
-            self._open_step(replica, inflight, awaiting_prefill)
-            return
-        gap = now - last
-        est = self.step_s.get(replica)
-        if gap < (SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)):
-            return  # another chunk of the step that ended at `last`
-        self._close_step(replica, last)
-        self.prev_end[replica] = last
-        self.last_end[replica] = now
-        self._open_step(replica, inflight, awaiting_prefill)
-        if est is None:
-            self.step_s[replica] = gap
-        elif gap < OUTLIER_STEPS * est:
-            self.step_s[replica] = est + STEP_EWMA * (gap - est)
+        r = self._replicas.get(replica)
+        if r is None:
+            r = self._replicas[replica] = _Steps()
+        last, est = r.last_end, r.step_s
+        if last is not None:
+            gap = now - last
+            if gap < (SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)):
+                return  # another chunk of the step that ended at `last`
+            self._close_step(r, last)
+            if est is None:
+                r.step_s = gap
+            elif gap < OUTLIER_STEPS * est:
+                r.step_s = est + STEP_EWMA * (gap - est)
+        r.prev_end = last
+        r.last_end = now
+        r.prefill = 0.0
+        r.firsts = 0
+        r.batch = inflight
+        r.awaiting = awaiting_prefill
 
-    def _open_step(self, replica: str, inflight: int, awaiting_prefill: bool) -> None:
-        self.step_prefill[replica] = 0.0
-        self.step_firsts[replica] = 0
-        self.step_batch[replica] = inflight
-        self.step_awaiting[replica] = awaiting_prefill
-
-    def _close_step(self, replica: str, end: float) -> None:
+    def _close_step(self, r: _Steps, end: float) -> None:
         """The step that ended at `end` is complete: learn from its length."""
-        start = self.prev_end.get(replica)
+        start = r.prev_end
         if start is None:
             return
         length = end - start
-        prefill = self.step_prefill.get(replica, 0.0)
-        firsts = self.step_firsts.get(replica, 0)
+        firsts = r.firsts
         # Requests whose prefill ended in this step were not decoding during it.
-        batch = max(0, self.step_batch.get(replica, 0) - firsts)
+        batch = max(0, r.batch - firsts)
         decode = self._decode.predict(batch)
         # A step no longer than decode alone takes carried no prefill chunk: a prefill that
         # ends in the next step must have run in that step alone.
-        self.prev_decode_only[replica] = (not firsts and decode is not None
-                                          and length <= DECODE_ONLY_FACTOR * decode)
+        r.prev_decode_only = (not firsts and decode is not None
+                              and length <= DECODE_ONLY_FACTOR * decode)
         if not firsts:
             # A step that ends no prefill is decode alone if no prefill was waiting when it
             # began, or if it is as short as decode alone: a chunk of a long prompt makes a
             # step look like a slow decode step. Until decode steps are known, any step that
             # is not an outlier teaches them (under steady load a prefill is always waiting).
-            typical = self.step_s.get(replica)
-            if typical is not None and length >= OUTLIER_STEPS * typical:
+            if r.step_s is not None and length >= OUTLIER_STEPS * r.step_s:
                 return
-            if (not self.step_awaiting.get(replica) or decode is None
-                    or length <= DECODE_ONLY_FACTOR * decode):
+            if not r.awaiting or decode is None or length <= DECODE_ONLY_FACTOR * decode:
                 self._decode.observe(batch, length)
             return
-        if prefill is not None and decode is not None and length > decode:
+        if r.prefill is not None and decode is not None and length > decode:
             keep = 1.0 - 1.0 / DECAY_SAMPLES
-            self._rate_tokens = self._rate_tokens * keep + prefill
+            self._rate_tokens = self._rate_tokens * keep + r.prefill
             self._rate_seconds = self._rate_seconds * keep + (length - decode)
             self._rate_samples += 1
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
                      dispatched_at: float) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk)."""
-        last = self.last_end.get(replica)
-        if last is None or now - last > SAME_STEP_S:
+        r = self._replicas.get(replica)
+        if r is None or r.last_end is None or now - r.last_end > SAME_STEP_S:
             return
-        start = self.prev_end.get(replica)
-        step = self.step_s.get(replica)
-        prefill = self.step_prefill.get(replica, 0.0)
-        self.step_firsts[replica] = self.step_firsts.get(replica, 0) + 1
-        if prefill is not None and start is not None and step is not None and (
-                dispatched_at >= start - step or self.prev_decode_only.get(replica, False)):
+        r.firsts += 1
+        start, step = r.prev_end, r.step_s
+        if r.prefill is not None and start is not None and step is not None and (
+                dispatched_at >= start - step or r.prev_decode_only):
             # This step carried the whole prefill: the request was sent while the step before
             # ran (or after this one seemed to begin: a chunk reaches the gateway a little
             # before the engine starts its next step), or the step before was decode alone (a
             # real engine may take a few steps to admit a request it was sent).
-            self.step_prefill[replica] = prefill + uncached_tokens
+            r.prefill += uncached_tokens
         else:
-            self.step_prefill[replica] = None
+            r.prefill = None
 
     def idle(self, replica: str) -> None:
         """Nothing in flight there: the next chunk starts a new run of steps, not a gap."""
-        self.last_end.pop(replica, None)
-        self.prev_end.pop(replica, None)
-        self.prev_decode_only.pop(replica, None)
+        r = self._replicas.get(replica)
+        if r is not None:
+            r.last_end = r.prev_end = None
+            r.prev_decode_only = False
 
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
-        last = self.last_end.get(replica)
-        est = self.step_s.get(replica)
-        if last is None or est is None:
+        r = self._replicas.get(replica)
+        if r is None or r.last_end is None or r.step_s is None:
             return 0.0
-        left = last + est - now
+        left = r.last_end + r.step_s - now
         return left if left > 0.0 else 0.0
+
+
+class _Steps:
+    """One replica's step timing: the last two step ends and what the last step carried."""
+
+    __slots__ = ("awaiting", "batch", "firsts", "last_end", "prefill", "prev_decode_only",
+                 "prev_end", "step_s")
+
+    def __init__(self) -> None:
+        self.last_end: float | None = None  # when the last step ended (its first chunk)
+        self.prev_end: float | None = None  # when the one before it ended
+        self.step_s: float | None = None  # typical step length, a moving average
+        self.batch = 0  # requests in flight when the last step ended
+        self.awaiting = False  # a prefill was waiting when the step in flight began
+        self.firsts = 0  # first tokens at the end of the last step
+        # Uncached tokens whose prefill ended in the last step; None when the step also
+        # finished a prefill that cannot be attributed to it alone.
+        self.prefill: float | None = 0.0
+        self.prev_decode_only = False  # the step before the last: decode alone?
 
 
 class DecodeFit:

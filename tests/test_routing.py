@@ -205,13 +205,13 @@ def test_step_timing_from_chunk_arrivals() -> None:
         t = 1.0 + 0.040 * step
         steps.chunk("r0", t)
         steps.chunk("r0", t + 0.0004)
-    assert steps.step_s["r0"] == pytest.approx(0.040)
+    assert steps.step_s("r0") == pytest.approx(0.040)
     last = 1.0 + 0.040 * 5
     assert steps.remaining("r0", last + 0.010) == pytest.approx(0.030)
     assert steps.remaining("r0", last + 0.050) == 0.0  # overdue: no estimate of the rest
     # A 1-second outlier (a long prefill step) does not move the estimate.
     steps.chunk("r0", last + 1.0)
-    assert steps.step_s["r0"] == pytest.approx(0.040)
+    assert steps.step_s("r0") == pytest.approx(0.040)
 
 
 def test_idle_replica_has_no_step_to_wait_for() -> None:
@@ -225,7 +225,7 @@ def test_idle_replica_has_no_step_to_wait_for() -> None:
     # After idling, the first chunk starts a new run: the idle time is not a step.
     load.dispatched("r0", 10.0)
     load.chunk("r0", 30.0)
-    assert load.steps.step_s["r0"] == pytest.approx(0.05)
+    assert load.steps.step_s("r0") == pytest.approx(0.05)
 
 
 def replay_steps(load: LoadTracker, steps: list[tuple[float, str]]) -> float:
