@@ -133,9 +133,7 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     with open(path, newline="") as f:
         for lineno, row in enumerate(csv.DictReader(f), 2):
             try:
-                # Seven fractional digits: more than fromisoformat takes before Python 3.11.
-                stamp, _, frac = row["TIMESTAMP"].partition(".")
-                t = datetime.fromisoformat(stamp).timestamp() + float(f"0.{frac or 0}")
+                t = datetime.fromisoformat(row["TIMESTAMP"]).timestamp()
                 input_tokens = max(1, int(row["ContextTokens"]))
                 output_tokens = max(1, int(row["GeneratedTokens"]))
             except (KeyError, TypeError, ValueError) as exc:
