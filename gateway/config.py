@@ -144,6 +144,11 @@ class ServerConfig(_Strict):
         "long generation that keeps streaming is never cut"
     )
     connect_timeout_s: float = Field(3.0, gt=0)
+    upstream_keepalive_s: float = Field(
+        4.0, gt=0, description="how long an idle connection to a replica is kept for reuse; "
+        "below the engines' own idle timeout (5 s in vLLM and trtllm-serve), so the gateway "
+        "rarely reuses a connection the engine is closing"
+    )
     max_attempts: int = Field(2, ge=1, le=10, description="tries before the first byte is sent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     non_streaming_ttft: bool = Field(

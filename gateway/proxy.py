@@ -262,8 +262,7 @@ class InferenceEndpoint:
         started = False
         try:
             try:
-                resp = await state.http.post(replica.base_url + self.path, data=upstream_body,
-                                             headers=headers, timeout=self.timeout)
+                resp = await self._send(replica.base_url + self.path, upstream_body, headers)
             except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
                 detail = f"{name}: {type(exc).__name__}: {exc}".rstrip(": ")
                 state.monitor.mark_failed(pool, replica, detail,
@@ -358,6 +357,20 @@ class InferenceEndpoint:
                 obs.finished(pool.name, name, cls, status, now - t0, ttft,
                              watcher.completion_tokens(), decode)
 
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]
+                    ) -> aiohttp.ClientResponse:
+        """POST upstream; once more on a new connection if a kept-alive one was closed under
+        the request (the engine's idle timeout firing as it was reused): the engine answered
+        nothing, and the replica is fine."""
+        state = self.state
+        try:
+            return await state.http.post(url, data=body, headers=headers, timeout=self.timeout)
+        except Exception as exc:
+            if not _closed_under_us(exc):
+                raise
+            log.info("resending to %s on a new connection: %s: %s", url, type(exc).__name__, exc)
+        return await state.http_fresh.post(url, data=body, headers=headers, timeout=self.timeout)
+
     def _route_headers(self, pool: Pool, replica: ReplicaState,
                        decision: Decision) -> list[tuple[bytes, bytes]]:
         out = []
@@ -368,6 +381,14 @@ class InferenceEndpoint:
             out.append((b"x-gateway-route-reason", decision.reason.encode()))
             out.append((b"x-gateway-prefix-match", f"{decision.matched_fraction:.3f}".encode()))
         return out
+
+
+def _closed_under_us(exc: BaseException) -> bool:
+    """The connection was dropped before any answer; not a refused connect, not a timeout."""
+    if isinstance(exc, TimeoutError | aiohttp.ClientConnectorError):
+        return False
+    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
+                      | ConnectionResetError)
 
 
 async def _abort_on_disconnect(receive, resp: aiohttp.ClientResponse) -> None:

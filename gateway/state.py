@@ -25,15 +25,22 @@ class GatewayState:
         self.observer = Observer(self.metrics, self.stats)
         self.models = sorted({m for p in self.pools for m in p.models})
         self.http: aiohttp.ClientSession | None = None
+        self.http_fresh: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
 
     async def start(self) -> None:
         # One pooled client for every replica: keep-alive connections, no per-host cap (the
         # engines queue themselves; a cap here would only add a second, invisible queue).
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60,
-                                         enable_cleanup_closed=True)
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, enable_cleanup_closed=True,
+            keepalive_timeout=self.config.server.upstream_keepalive_s)
         self.http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                           skip_auto_headers=("User-Agent",))
+        # For the one resend after a kept-alive connection turned out closed: a new connection
+        # for certain, not another idle one that may be closing too.
+        self.http_fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False,
+            skip_auto_headers=("User-Agent",))
         self.monitor = HealthMonitor(self.pools, self.http, self.metrics)
         for pool in self.pools:
             self.metrics.chars_per_token.labels(pool.name).set(pool.router.chars_per_token)
@@ -46,8 +53,9 @@ class GatewayState:
     async def stop(self) -> None:
         if self.monitor is not None:
             await self.monitor.stop()
-        if self.http is not None:
-            await self.http.close()
+        for session in (self.http, self.http_fresh):
+            if session is not None:
+                await session.close()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}

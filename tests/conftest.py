@@ -151,3 +151,15 @@ def http() -> Iterator[httpx.Client]:
 
 
 os.environ.setdefault("OPENAI_API_KEY", "unused-by-the-gateway")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On failure, show the tail of every process log the test wrote (gateway, replicas):
+    the cause of a 502 is in the gateway's log, and CI keeps nothing else."""
+    report = yield
+    if report.failed and call.when == "call" and "tmp_path" in item.funcargs:
+        for log in sorted(Path(item.funcargs["tmp_path"]).glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-40:]
+            report.sections.append((f"tail of {log.name}", "\n".join(lines)))
+    return report

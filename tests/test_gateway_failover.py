@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from gateway import processes
+from gateway.defaults import one_pool_config
 from tests.conftest import poll, start_gateway, start_sims, two_pool_config
 
 
@@ -101,3 +102,29 @@ def test_stopped_replica_process_is_survived(small_fleet) -> None:
         raw = c.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": f"q{i} " * 100}], max_tokens=1)
         assert raw.headers["x-gateway-replica"] == "rt-1"
+
+
+def test_keepalive_connection_closed_by_the_replica_is_retried_on_a_fresh_one(tmp_path) -> None:
+    # Engines close idle keep-alive connections (vLLM and trtllm-serve after 5 s); a request
+    # that reuses one at that moment must not fail, nor take a working replica out.
+    sims = start_sims(["vllm"], tmp_path)
+    port = processes.free_ports(1)[0]
+    config = one_pool_config(sims.urls, port, health={"interval_s": 30, "metrics_interval_s": 30})
+    gw = start_gateway(config, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        c.completions.create(model="tiny", prompt="warm the connection pool", max_tokens=1)
+        for stream in (False, True):
+            assert httpx.post(sims.urls[0] + "/sim/drop_reused", json={"count": 1}).json() \
+                == {"drop_reused": 1}
+            raw = c.completions.with_raw_response.create(model="tiny", prompt="reuse it",
+                                                         max_tokens=2, stream=stream)
+            assert raw.status_code == 200
+            if stream:
+                assert list(raw.parse())
+            # The replica did drop a reused connection, and the gateway kept it in rotation.
+            assert httpx.get(sims.urls[0] + "/sim/state").json()["drop_reused"] == 0
+            assert replica_up(gw.url)["replica-0"] == 1
+    finally:
+        gw.stop()
+        sims.stop()

@@ -12,7 +12,9 @@ IterationStats JSON serialisation), /prometheus/metrics only when perf metrics a
 (`trtllm_` names, or with `trtllm_legacy_metrics` the five un-prefixed names of 1.1.0rc5),
 and no /tokenize (404). KV blocks are 32 tokens unless configured.
 
-Both kinds add /sim/fail, /sim/recover and /sim/state for tests.
+Both kinds add /sim/fail, /sim/recover and /sim/state for tests, and /sim/drop_reused: the
+next N inference requests that arrive on a kept-alive connection find it closed, as when an
+engine's idle timeout fires the moment a client reuses the connection.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,33 @@ REPLICA: web.AppKey[SimReplica] = web.AppKey("replica", SimReplica)
 REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
 DEFAULT_MAX_TOKENS = 16
 JSON = "application/json"
+
+
+@dataclass
+class KeepAliveFaults:
+    """Which connections already served a request, and how many reuses to drop."""
+
+    drop_reused: int = 0
+    served: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+FAULTS: web.AppKey[KeepAliveFaults] = web.AppKey("faults", KeepAliveFaults)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _keepalive_faults(request: web.Request, handler: Handler) -> web.StreamResponse:
+    faults = request.app[FAULTS]
+    connection = request.transport
+    if connection is None:
+        return await handler(request)
+    if faults.drop_reused and connection in faults.served and request.path.startswith("/v1/"):
+        faults.drop_reused -= 1
+        # Closed before a byte of the answer: what a client racing an idle timeout sees.
+        connection.close()
+        raise web.HTTPServiceUnavailable()
+    faults.served.add(connection)
+    return await handler(request)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -306,6 +336,17 @@ async def sim_recover(request: web.Request) -> web.Response:
     return _json({"failing": False})
 
 
+async def sim_drop_reused(request: web.Request) -> web.Response:
+    try:
+        count = (await _read_body(request)).get("count", 1)
+    except _BadRequest as bad:
+        return bad.response
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        return _error(400, "count must be a non-negative integer.", "BadRequestError")
+    request.app[FAULTS].drop_reused = count
+    return _json({"drop_reused": count})
+
+
 async def sim_state(request: web.Request) -> web.Response:
     r = request.app[REPLICA]
     s = r.model.stats()
@@ -317,6 +358,7 @@ async def sim_state(request: web.Request) -> web.Response:
         "profile": r.spec.profile,
         "time_scale": r.spec.time_scale,
         "failing": r.failing,
+        "drop_reused": request.app[FAULTS].drop_reused,
         "block_tokens": r.block_tokens,
         "max_running": r.model.max_running,
         "max_model_len": r.max_model_len,
@@ -345,8 +387,9 @@ async def sim_state(request: web.Request) -> web.Response:
 
 def build_app(replica: SimReplica) -> web.Application:
     """The aiohttp application of one replica, with its engine kind's routes only."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_keepalive_faults])
     app[REPLICA] = replica
+    app[FAULTS] = KeepAliveFaults()
     app[REGISTRY] = prometheus_registry(replica)
     kind = replica.spec.kind
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -366,6 +409,7 @@ def build_app(replica: SimReplica) -> web.Application:
     app.router.add_post("/sim/fail", sim_fail)
     app.router.add_post("/sim/recover", sim_recover)
     app.router.add_get("/sim/state", sim_state)
+    app.router.add_post("/sim/drop_reused", sim_drop_reused)
     return app
 
 
