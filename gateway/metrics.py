@@ -55,6 +55,10 @@ class GatewayMetrics:
         self.retries = Counter(
             "gateway_retries", "Requests retried on another replica before the first byte.",
             ("pool", "replica"), registry=r)
+        self.resends = Counter(
+            "gateway_connection_resends", "Requests sent again to the same replica on a new "
+            "connection, after it closed a kept-alive one under them (its idle timeout).",
+            ("pool", "replica"), registry=r)
         self.engine_waiting = Gauge(
             "gateway_engine_requests_waiting", "Requests queued inside the engine (its metrics).",
             ("pool", "replica"), registry=r)

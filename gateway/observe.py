@@ -49,6 +49,9 @@ class Observer:
     def retried(self, pool: str, replica: str) -> None:
         self._child(self.m.retries, pool, replica).inc()
 
+    def resent(self, pool: str, replica: str) -> None:
+        self._child(self.m.resends, pool, replica).inc()
+
     def inflight(self, pool: str, replica: str, delta: int) -> None:
         self._child(self.m.inflight, pool, replica).inc(delta)
 

@@ -125,6 +125,9 @@ def test_keepalive_connection_closed_by_the_replica_is_retried_on_a_fresh_one(tm
             # The replica did drop a reused connection, and the gateway kept it in rotation.
             assert httpx.get(sims.urls[0] + "/sim/state").json()["drop_reused"] == 0
             assert replica_up(gw.url)["replica-0"] == 1
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'gateway_connection_resends_total{pool="default",replica="replica-0"} 2.0' \
+            in metrics
     finally:
         gw.stop()
         sims.stop()
