@@ -92,8 +92,10 @@ def start_gateway(config: dict[str, Any], work_dir: Path, name: str = "gateway",
                   deadline_s: float = 60.0, env: dict[str, str] | None = None,
                   python_flags: Sequence[str] = (),
                   wrap: Callable[[list[str]], list[str]] | None = None,
+                  ready_path: str = "/ready",
                   ) -> tuple[str, subprocess.Popen, Path]:
-    """Run `gateway.cli serve` on `config` (written to work_dir/NAME.yaml) until /ready.
+    """Run `gateway.cli serve` on `config` (written to work_dir/NAME.yaml) until it answers
+    `ready_path` (/ready: a healthy replica in every pool; /health: the process is up).
 
     Returns the gateway's URL, its process and its log. If it does not become ready, the
     process is stopped and the error carries the tail of its log. `wrap` can prefix the
@@ -108,7 +110,7 @@ def start_gateway(config: dict[str, Any], work_dir: Path, name: str = "gateway",
            str(config_path), "--log-level", "warning"]
     proc = spawn(wrap(cmd) if wrap else cmd, str(log_path), env=env)
     try:
-        wait_healthy([url], [proc], deadline_s=deadline_s, path="/ready")
+        wait_healthy([url], [proc], deadline_s=deadline_s, path=ready_path)
     except RuntimeError as exc:
         stop_all([proc])
         raise RuntimeError(f"gateway {name} did not become ready: {exc}\n"

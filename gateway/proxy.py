@@ -101,6 +101,14 @@ class _Call:
     decision: Decision | None = None
 
 
+@dataclass(slots=True)
+class _Failure:
+    """Why one try failed before the client got a byte."""
+
+    detail: str
+    never_connected: bool = False  # the connect itself timed out: the request never left
+
+
 class InferenceEndpoint:
     """POST /v1/chat/completions or /v1/completions."""
 
@@ -201,6 +209,7 @@ class InferenceEndpoint:
         candidates = [decision.replica, *decision.fallbacks]
         last_error = ""
         tried = 0
+        again: set[str] = set()
         for i, name in enumerate(candidates):
             if tried == self.max_attempts:
                 break
@@ -220,15 +229,20 @@ class InferenceEndpoint:
             outcome = await self._attempt(receive, send, call, replica, uncached, final)
             if outcome is None:
                 return
-            last_error = outcome
+            last_error = outcome.detail
+            if outcome.never_connected and i == len(candidates) - 1 and name not in again:
+                # Nothing else to try, and the request never left: a connect that timed out
+                # is as often this machine's CPU starved as the replica gone, so try it again.
+                again.add(name)
+                candidates.append(name)
         err = upstream_failed(pool.name, last_error or "no healthy replica left to try")
         await send_error(send, err)
         obs.finished(pool.name, decision.replica, cls, "502", perf_counter() - t0, None, 0, 0.0)
 
     async def _attempt(self, receive, send, call: _Call, replica: ReplicaState, uncached: float,
-                       final: bool) -> str | None:
-        """One try on one replica. Returns None when the client got its answer, else an error
-        description (nothing was sent to the client, so the caller may try elsewhere)."""
+                       final: bool) -> _Failure | None:
+        """One try on one replica. Returns None when the client got its answer, else what failed
+        (nothing was sent to the client, so the caller may try elsewhere)."""
         pool, cls, t0, decision = call.pool, call.cls, call.t0, call.decision
         stream, aggregate, upstream_body = call.stream, call.aggregate, call.body
         state = self.state
@@ -267,13 +281,13 @@ class InferenceEndpoint:
                 detail = f"{name}: {type(exc).__name__}: {exc}".rstrip(": ")
                 state.monitor.mark_failed(pool, replica, detail,
                                           suspect=isinstance(exc, TimeoutError))
-                return detail
+                return _Failure(detail, isinstance(exc, aiohttp.ConnectionTimeoutError))
             if resp.status in _RETRYABLE and not final:
                 detail = f"{name}: HTTP {resp.status}"
                 if resp.status == 503:
                     state.monitor.mark_failed(pool, replica, detail)
                 resp.release()
-                return detail
+                return _Failure(detail)
             status = str(resp.status)
             extra = self._route_headers(pool, replica, decision)
             disconnect = asyncio.create_task(_abort_on_disconnect(receive, resp))
@@ -324,7 +338,7 @@ class InferenceEndpoint:
                 state.monitor.mark_failed(pool, replica, detail)
                 status = "error"
                 if not final:
-                    return detail
+                    return _Failure(detail)
                 await send_error(send, upstream_failed(pool.name, detail))
                 status = "502"
                 return None

@@ -87,8 +87,10 @@ def two_pool_config(realtime: list[str], batch: list[str], port: int, **routing)
     }
 
 
-def start_gateway(config: dict, tmp: Path, name: str = "gateway") -> Gateway:
-    url, proc, log_path = processes.start_gateway(config, tmp, name, deadline_s=30)
+def start_gateway(config: dict, tmp: Path, name: str = "gateway",
+                  ready_path: str = "/ready") -> Gateway:
+    url, proc, log_path = processes.start_gateway(config, tmp, name, deadline_s=30,
+                                                  ready_path=ready_path)
     return Gateway(url, proc, tmp / f"{name}.yaml", log_path)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+
 import httpx
 import openai
 import pytest
@@ -129,5 +133,85 @@ def test_keepalive_connection_closed_by_the_replica_is_retried_on_a_fresh_one(tm
         assert 'gateway_connection_resends_total{pool="default",replica="replica-0"} 2.0' \
             in metrics
     finally:
+        gw.stop()
+        sims.stop()
+
+
+class StalledListener:
+    """A replica address whose connects hang (its accept queue is full) until `open()`, after
+    which it forwards every connection to a real replica: what a client of a machine too busy
+    to accept sees."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(0)
+        self.port = self.server.getsockname()[1]
+        # One connection nobody accepts fills a backlog of 0: later SYNs are dropped.
+        self.filler = socket.create_connection(("127.0.0.1", self.port))
+        self.thread: threading.Thread | None = None
+
+    def open(self) -> None:
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.server.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                for src, dst in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        self.filler.close()
+        self.server.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
+def test_connect_timeout_to_the_only_replica_is_tried_once_more(tmp_path) -> None:
+    # On a CPU-starved machine a connect can time out to a replica that is fine. With no other
+    # replica to try, the gateway tries the same one again rather than answering 502.
+    sims = start_sims(["vllm"], tmp_path)
+    stalled = StalledListener(int(sims.urls[0].rsplit(":", 1)[1]))
+    port = processes.free_ports(1)[0]
+    config = one_pool_config([f"http://127.0.0.1:{stalled.port}"], port,
+                             server={"connect_timeout_s": 5.0, "max_attempts": 3},
+                             health={"interval_s": 30, "timeout_s": 0.2,
+                                     "metrics_interval_s": 30})
+    # Not /ready: the stalled replica's probe timed out, so no replica is healthy; it is only a
+    # suspect, which the gateway still routes to when nothing better is left.
+    gw = start_gateway(config, tmp_path, ready_path="/health")
+    result: dict[str, object] = {}
+
+    def ask() -> None:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        raw = c.completions.with_raw_response.create(model="tiny", prompt="hello", max_tokens=2)
+        result["status"] = raw.status_code
+
+    client = threading.Thread(target=ask)
+    try:
+        client.start()
+
+        def first_connect_timed_out() -> bool:
+            pool = httpx.get(gw.url + "/admin/stats").json()["pools"][0]
+            return "ConnectionTimeoutError" in (pool["replicas"][0]["last_error"] or "")
+
+        poll(first_connect_timed_out, deadline_s=30)
+        stalled.open()  # the second try's SYN is resent by the kernel and now accepted
+        client.join(60)
+        assert result == {"status": 200}
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'gateway_retries_total{pool="default",replica="replica-0"} 1.0' in metrics
+    finally:
+        stalled.close()
         gw.stop()
         sims.stop()
