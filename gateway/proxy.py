@@ -276,7 +276,21 @@ class InferenceEndpoint:
         started = False
         try:
             try:
-                resp = await self._send(pool, replica, upstream_body, headers)
+                url = replica.base_url + self.path
+                try:
+                    resp = await state.http.post(url, data=upstream_body, headers=headers,
+                                                 timeout=self.timeout)
+                except Exception as exc:
+                    if not _closed_under_us(exc):
+                        raise
+                    # A kept-alive connection closed under the request (the engine's idle
+                    # timeout firing as it was reused): nothing was answered and the replica
+                    # is fine, so send it once more on a connection that is new for certain.
+                    log.info("resending to %s/%s on a new connection: %s: %s", pool.name, name,
+                             type(exc).__name__, exc)
+                    obs.resent(pool.name, name)
+                    resp = await state.http_fresh.post(url, data=upstream_body, headers=headers,
+                                                       timeout=self.timeout)
             except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
                 detail = f"{name}: {type(exc).__name__}: {exc}".rstrip(": ")
                 state.monitor.mark_failed(pool, replica, detail,
@@ -370,23 +384,6 @@ class InferenceEndpoint:
                 decode = (watcher.last_token_at - watcher.first_token_at) if ttft else 0.0
                 obs.finished(pool.name, name, cls, status, now - t0, ttft,
                              watcher.completion_tokens(), decode)
-
-    async def _send(self, pool: Pool, replica: ReplicaState, body: bytes,
-                    headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST upstream; once more on a new connection if a kept-alive one was closed under
-        the request (the engine's idle timeout firing as it was reused): the engine answered
-        nothing, and the replica is fine."""
-        state = self.state
-        url = replica.base_url + self.path
-        try:
-            return await state.http.post(url, data=body, headers=headers, timeout=self.timeout)
-        except Exception as exc:
-            if not _closed_under_us(exc):
-                raise
-            log.info("resending to %s/%s on a new connection: %s: %s", pool.name, replica.name,
-                     type(exc).__name__, exc)
-        state.observer.resent(pool.name, replica.name)
-        return await state.http_fresh.post(url, data=body, headers=headers, timeout=self.timeout)
 
     def _route_headers(self, pool: Pool, replica: ReplicaState,
                        decision: Decision) -> list[tuple[bytes, bytes]]:
