@@ -49,6 +49,7 @@ from loadtests.traces import (  # noqa: E402
     load_trace,
     prompt_text,
     scale_time,
+    synthetic_workload,
 )
 
 MODEL = "tiny"
@@ -80,10 +81,11 @@ def log(msg: str) -> None:
 
 
 def load_requests(trace: str | None, workload: str | None, limit: int | None,
-                  speedup: float) -> list[TraceRequest]:
-    """The first `limit` requests of a trace file or synthetic workload, time-scaled."""
+                  speedup: float, params: dict[str, Any] | None = None) -> list[TraceRequest]:
+    """The first `limit` requests of a trace file or synthetic workload (built with `params`),
+    time-scaled."""
     if workload:
-        reqs = sorted(SYNTHETIC[workload](), key=lambda r: r.timestamp_s)
+        reqs = sorted(synthetic_workload(workload, params), key=lambda r: r.timestamp_s)
         reqs = reqs[:limit] if limit else reqs
     elif trace:
         reqs = load_trace(trace, limit)
@@ -480,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
     src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
+    p.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                   type=key_value, help="synthetic workload parameter, as in simulate.py, "
+                   "e.g. n_tenants=300 (repeatable)")
     p.add_argument("--replicas", type=int, default=8, help="simulated replicas (without --url)")
     p.add_argument("--policy", default=None,
                    help=f"gateway routing policy (default: the gateway's, {default_policy()})")
@@ -522,7 +527,8 @@ def emit(res: dict[str, Any], as_json: bool, output: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    requests = load_requests(args.trace, args.workload, args.limit, args.speedup)
+    requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
+                             dict(args.workload_param))
     if not requests:
         raise SystemExit("replay: no requests to send")
     fleet = Fleet()

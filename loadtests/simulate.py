@@ -45,6 +45,7 @@ from loadtests.traces import (
     load_trace,
     prompt_text,
     scale_time,
+    synthetic_workload,
 )
 from routing import LoadTracker, Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
@@ -146,9 +147,7 @@ def load_workload(trace: str | None = None, workload: str | None = None, *,
         requests = load_trace(trace, limit)
         name = Path(trace).name
     elif workload:
-        if workload not in SYNTHETIC:
-            raise SystemExit(f"unknown workload {workload!r}; choose one of {sorted(SYNTHETIC)}")
-        requests = SYNTHETIC[workload](**(params or {}))
+        requests = synthetic_workload(workload, params)
         requests = requests[:limit] if limit else requests
         name = workload
     else:

@@ -10,6 +10,7 @@ read traces through this module, so they see the same requests.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import random
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -287,3 +289,17 @@ SYNTHETIC = {
     "hot_prompt": hot_prompt_workload,
     "multi_turn": multi_turn_workload,
 }
+
+
+def synthetic_workload(name: str, params: dict[str, Any] | None = None) -> list[TraceRequest]:
+    """The synthetic workload `name` built with `params`; unknown names or parameters are a
+    clear error that lists the valid ones."""
+    if name not in SYNTHETIC:
+        raise SystemExit(f"unknown workload {name!r}; choose one of {sorted(SYNTHETIC)}")
+    build = SYNTHETIC[name]
+    known = set(inspect.signature(build).parameters)
+    unknown = sorted(set(params or {}) - known)
+    if unknown:
+        raise SystemExit(f"workload {name} has no parameter {', '.join(unknown)}; "
+                         f"its parameters: {', '.join(sorted(known))}")
+    return build(**(params or {}))

@@ -46,6 +46,17 @@ def test_replay_workload_json() -> None:
     assert res["policy"]
 
 
+def test_replay_workload_params_shape_the_workload() -> None:
+    # Three tenants instead of 150: a much higher ideal hit ratio than the default's.
+    params = {"n_tenants": 3, "n_requests": 24}
+    res = _run(["--workload", "tenants", "--replicas", "2", "--speedup", "4",
+                "--time-scale", "0.05", "--max-output", "8",
+                *[f"--workload-param={k}={v}" for k, v in params.items()]])
+    reqs = load_requests(None, "tenants", None, 4, params)
+    assert ideal_hit_ratio(reqs) > ideal_hit_ratio(load_requests(None, "tenants", 24, 4)) + 0.1
+    _check(res, 24, ideal_hit_ratio(reqs))
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 def test_replay_mooncake_trace_with_policy() -> None:
     limit = 25
