@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/compare_http
 
 from gateway import processes  # noqa: E402
 from loadtests import replay as rp  # noqa: E402
-from loadtests.settings import key_value  # noqa: E402
+from loadtests.settings import add_workload_param  # noqa: E402
 
 SGLANG = "sglang_cache_aware"
 DEFAULT_ROUTERS = ("round_robin", "least_load", "prefix_affinity", SGLANG)
@@ -116,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
     src.add_argument("--workload", choices=sorted(rp.SYNTHETIC), help="a synthetic workload")
-    p.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
-                   type=key_value, help="synthetic workload parameter, as in simulate.py "
-                   "(repeatable)")
+    add_workload_param(p)
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
                    help=f"comma-separated; gateway policies or {SGLANG}")

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
 from gateway import processes  # noqa: E402
 from gateway.config import RoutingSettings  # noqa: E402
 from gateway.defaults import one_pool_config  # noqa: E402
-from loadtests.settings import key_value  # noqa: E402
+from loadtests.settings import add_workload_param, key_value  # noqa: E402
 from loadtests.traces import (  # noqa: E402
     BLOCK_TOKENS,
     SYNTHETIC,
@@ -482,9 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
     src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
-    p.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
-                   type=key_value, help="synthetic workload parameter, as in simulate.py, "
-                   "e.g. n_tenants=300 (repeatable)")
+    add_workload_param(p)
     p.add_argument("--replicas", type=int, default=8, help="simulated replicas (without --url)")
     p.add_argument("--policy", default=None,
                    help=f"gateway routing policy (default: the gateway's, {default_policy()})")

@@ -17,3 +17,11 @@ def key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def add_workload_param(parser: argparse.ArgumentParser) -> None:
+    """``--workload-param KEY=VALUE`` (repeatable), shared by simulate, replay and compare_http
+    so one scoreboard cell is spelled the same way in all three."""
+    parser.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                        type=key_value,
+                        help="synthetic workload parameter, e.g. n_tenants=300 (repeatable)")
