@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
 from gateway import processes  # noqa: E402
 from gateway.config import RoutingSettings  # noqa: E402
 from gateway.defaults import one_pool_config  # noqa: E402
-from loadtests.settings import add_workload_param, key_value  # noqa: E402
+from loadtests.settings import add_routing_settings, add_workload_param  # noqa: E402
 from loadtests.traces import (  # noqa: E402
     BLOCK_TOKENS,
     SYNTHETIC,
@@ -500,9 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="drive this running OpenAI-compatible router instead")
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                   type=key_value,
-                   help="a gateway routing setting, e.g. load_weight=1 (repeatable; without --url)")
+    add_routing_settings(p, "; without --url")
     p.add_argument("--label", help="policy name to report (default: the policy, or 'external')")
     p.add_argument("--model", default=MODEL, help="model name to send")
     p.add_argument("--concurrency-limit", type=int, default=0,

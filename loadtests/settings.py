@@ -25,3 +25,11 @@ def add_workload_param(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
                         type=key_value,
                         help="synthetic workload parameter, e.g. n_tenants=300 (repeatable)")
+
+
+def add_routing_settings(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.settings``: a field of the gateway's
+    RoutingSettings, shared by simulate and replay."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        dest="settings", type=key_value,
+                        help=f"gateway routing setting, e.g. load_weight=1 (repeatable{note})")

@@ -37,7 +37,7 @@ from backends.sim.model import PROFILES, EngineModel, LatencyProfile
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
-from loadtests.settings import add_workload_param, key_value
+from loadtests.settings import add_routing_settings, add_workload_param
 from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
@@ -367,9 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT)
     ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
     add_workload_param(ap)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                    type=key_value,
-                    help="gateway RoutingSettings field, e.g. load_weight=1 (repeatable)")
+    add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = ap.parse_args(argv)
     if args.replicas < 1:

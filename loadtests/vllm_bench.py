@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,8 +445,6 @@ def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
 
 def step_figures(gw_url: str) -> dict[str, Any]:
     """The gateway's prefill rate and per-replica engine step times, from /admin/stats."""
-    import urllib.request
-
     with urllib.request.urlopen(gw_url + "/admin/stats", timeout=10) as r:
         pool = json.loads(r.read())["pools"][0]
     steps = [x["engine_step_s"] for x in pool["replicas"] if x["engine_step_s"] is not None]

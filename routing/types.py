@@ -36,6 +36,7 @@ class ReplicaView:
     """Time until the engine step in flight there ends (a request sent now waits for it),
     estimated from its streamed chunks and priced in prompt tokens at the prefill rate."""
 
+
 @dataclass(slots=True)
 class Decision:
     """The replica chosen for a request, why, and what routing expected of it."""
