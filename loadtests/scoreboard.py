@@ -177,7 +177,8 @@ def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "n/a"
+    # Three places: a target such as "within 10%" must not be met or missed by rounding.
+    return f"{a / b:.3f}" if b else "n/a"
 
 
 def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
