@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -61,3 +62,27 @@ def test_azure_csv_with_a_missing_column_is_a_clear_error(tmp_path: Path) -> Non
     trace.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,4808\n")
     with pytest.raises(ValueError, match=r"azure\.csv:2: missing column 'GeneratedTokens'"):
         load_trace(trace)
+
+
+def test_stress_trace_has_the_asked_shape_and_valid_prefix_chains(tmp_path: Path) -> None:
+    from loadtests.stress_trace import main as write_stress_trace
+
+    out = tmp_path / "stress.jsonl"
+    assert write_stress_trace(["--requests", "2000", "--rate", "5", "--input-mean", "4000",
+                               "--output-mean", "100", "--reuse", "0.5", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2000
+    # Mooncake's format: ms timestamps in order, one id per started 512-token block.
+    assert all(a["timestamp"] <= b["timestamp"] for a, b in itertools.pairwise(rows))
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // BLOCK_TOKENS) for r in rows)
+    # Chained: an id always follows the same predecessor, so equal ids mean equal prefixes.
+    parent: dict[int, int | None] = {}
+    for r in rows:
+        for prev, h in zip([None, *r["hash_ids"]], r["hash_ids"], strict=False):
+            assert parent.setdefault(h, prev) == prev
+    # The asked shape, within sampling error: 2,000 arrivals at 5/s, the means, half reused.
+    assert rows[-1]["timestamp"] / 1000 == pytest.approx(2000 / 5, rel=0.1)
+    assert sum(r["input_length"] for r in rows) / 2000 == pytest.approx(4000, rel=0.15)
+    assert sum(r["output_length"] for r in rows) / 2000 == pytest.approx(100, rel=0.1)
+    reqs = load_trace(out)
+    assert 0.1 < ideal_hit_ratio(reqs) < 0.6
