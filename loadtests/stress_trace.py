@@ -18,8 +18,12 @@ import math
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-BLOCK_TOKENS = 512
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtests.traces import BLOCK_TOKENS
 
 
 def stress_trace(n_requests: int, rate_per_s: float, input_mean: float, output_mean: float,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.sim.prompt import estimate_tokens
+from loadtests.stress_trace import main as write_stress_trace
 from loadtests.traces import BLOCK_TOKENS, ideal_hit_ratio, load_trace, prompt_text
 
 
@@ -65,8 +66,6 @@ def test_azure_csv_with_a_missing_column_is_a_clear_error(tmp_path: Path) -> Non
 
 
 def test_stress_trace_has_the_asked_shape_and_valid_prefix_chains(tmp_path: Path) -> None:
-    from loadtests.stress_trace import main as write_stress_trace
-
     out = tmp_path / "stress.jsonl"
     assert write_stress_trace(["--requests", "2000", "--rate", "5", "--input-mean", "4000",
                                "--output-mean", "100", "--reuse", "0.5", "--out", str(out)]) == 0
