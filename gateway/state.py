@@ -31,16 +31,12 @@ class GatewayState:
     async def start(self) -> None:
         # One pooled client for every replica: keep-alive connections, no per-host cap (the
         # engines queue themselves; a cap here would only add a second, invisible queue).
-        connector = aiohttp.TCPConnector(
+        self.http = _upstream_session(aiohttp.TCPConnector(
             limit=0, limit_per_host=0, enable_cleanup_closed=True,
-            keepalive_timeout=self.config.server.upstream_keepalive_s)
-        self.http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                          skip_auto_headers=("User-Agent",))
+            keepalive_timeout=self.config.server.upstream_keepalive_s))
         # For the one resend after a kept-alive connection turned out closed: a new connection
         # for certain, not another idle one that may be closing too.
-        self.http_fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False,
-            skip_auto_headers=("User-Agent",))
+        self.http_fresh = _upstream_session(aiohttp.TCPConnector(limit=0, force_close=True))
         self.monitor = HealthMonitor(self.pools, self.http, self.metrics)
         for pool in self.pools:
             self.metrics.chars_per_token.labels(pool.name).set(pool.router.chars_per_token)
@@ -60,3 +56,9 @@ class GatewayState:
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}
         return all(healthy.values()), healthy
+
+
+def _upstream_session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # Bodies pass through as the engine sent them, and the engine sees no client name of ours.
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 skip_auto_headers=("User-Agent",))

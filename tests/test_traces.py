@@ -83,5 +83,12 @@ def test_stress_trace_has_the_asked_shape_and_valid_prefix_chains(tmp_path: Path
     assert rows[-1]["timestamp"] / 1000 == pytest.approx(2000 / 5, rel=0.1)
     assert sum(r["input_length"] for r in rows) / 2000 == pytest.approx(4000, rel=0.15)
     assert sum(r["output_length"] for r in rows) / 2000 == pytest.approx(100, rel=0.1)
+    # --reuse 0.5: about half the requests after the first start with an earlier prompt's head.
+    heads_seen: set[int] = set()
+    extending = 0
+    for r in rows:
+        extending += r["hash_ids"][0] in heads_seen
+        heads_seen.update(r["hash_ids"])
+    assert extending / 1999 == pytest.approx(0.5, abs=0.05)
     reqs = load_trace(out)
     assert 0.1 < ideal_hit_ratio(reqs) < 0.6
