@@ -47,6 +47,7 @@ from loadtests.traces import (
     scale_time,
     synthetic_workload,
 )
+from loadtests.ttft_bound import cobatch_ttft_bound
 from routing import LoadTracker, Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
 from routing.policies.base import Policy
@@ -83,7 +84,7 @@ class Workload:
     _engine: dict[int, tuple[list[array], list[int]]] = field(default_factory=dict)
     _routing: dict[tuple[int, float, int], list[RoutingRequest]] = field(default_factory=dict)
     _ideal: float | None = None
-    _floor: dict[tuple[str, int], float] = field(default_factory=dict)
+    _ideal_cached: dict[int, list[int]] = field(default_factory=dict)
 
     def engine_prompts(self, block_tokens: int) -> tuple[list[array], list[int]]:
         """Per request: the engine's chained block hashes and its prompt token count."""
@@ -107,6 +108,25 @@ class Workload:
                                         for r in self.requests]
         return got
 
+    def ideal_cached_tokens(self, block_tokens: int) -> list[int]:
+        """Per request: the tokens one infinite engine cache would hold for it (all earlier
+        prompts' blocks), stopping one token short of a full hit as vLLM does."""
+        got = self._ideal_cached.get(block_tokens)
+        if got is None:
+            hashes, tokens = self.engine_prompts(block_tokens)
+            seen: set[int] = set()
+            got = []
+            for chain, prompt in zip(hashes, tokens, strict=True):
+                matched = 0
+                for h in chain[: (prompt - 1) // block_tokens]:
+                    if h not in seen:
+                        break
+                    matched += 1
+                seen.update(chain)
+                got.append(matched * block_tokens)
+            self._ideal_cached[block_tokens] = got
+        return got
+
     def ttft_floor_mean(self, profile: LatencyProfile, block_tokens: int) -> float:
         """Mean TTFT if every request ran alone on an idle engine holding every earlier prefix.
 
@@ -114,23 +134,27 @@ class Workload:
         no queue, and no other sequence lengthens the steps. It tells where a target is out of
         reach of any router (half of round_robin's TTFT below the floor, say).
         """
-        got = self._floor.get((profile.name, block_tokens))
-        if got is not None:
-            return got
-        hashes, tokens = self.engine_prompts(block_tokens)
-        seen: set[int] = set()
-        total = 0.0
-        for chain, prompt in zip(hashes, tokens, strict=True):
-            usable = chain[: (prompt - 1) // block_tokens]  # vLLM recomputes the last token
-            matched = 0
-            for h in usable:
-                if h not in seen:
-                    break
-                matched += 1
-            seen.update(chain)
-            total += profile.ttft_s(prompt, matched * block_tokens)
-        got = self._floor[(profile.name, block_tokens)] = total / len(tokens) if tokens else 0.0
-        return got
+        _, tokens = self.engine_prompts(block_tokens)
+        cached = self.ideal_cached_tokens(block_tokens)
+        if not tokens:
+            return 0.0
+        return sum(profile.ttft_s(p, c) for p, c in zip(tokens, cached, strict=True)) / len(tokens)
+
+    def ttft_bound_mean(self, profile: LatencyProfile, block_tokens: int, replicas: int,
+                        max_output: int, kv_capacity_tokens: int) -> float:
+        """The floor plus the decode co-batching no router avoids (loadtests/ttft_bound.py),
+        over the requests an engine of this capacity accepts."""
+        _, tokens = self.engine_prompts(block_tokens)
+        cached = self.ideal_cached_tokens(block_tokens)
+        capacity = kv_capacity_tokens // block_tokens * block_tokens
+        served = [i for i, p in enumerate(tokens) if p < capacity]
+        # As EngineModel.submit caps max_tokens.
+        outputs = [min(max(1, min(self.requests[i].output_tokens, max_output)),
+                       capacity - tokens[i]) for i in served]
+        return cobatch_ttft_bound(profile, replicas,
+                                  [self.requests[i].timestamp_s for i in served],
+                                  [tokens[i] for i in served], [cached[i] for i in served],
+                                  outputs)
 
     @property
     def ideal_hit_ratio(self) -> float:
@@ -321,6 +345,8 @@ def simulate(
         "hit_ratio": round(hit / query, 4) if query else 0.0,
         "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
         "ttft_floor_mean_s": round(workload.ttft_floor_mean(prof, engine_block_tokens), 4),
+        "ttft_bound_mean_s": round(workload.ttft_bound_mean(
+            prof, engine_block_tokens, replicas, max_output, kv_capacity_tokens), 4),
         "imbalance": round(_max_over_mean(routed), 3),
         "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),
