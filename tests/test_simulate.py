@@ -98,6 +98,34 @@ def test_cobatch_bound_charges_a_start_that_must_share_a_step_with_decoding(gap_
         assert report["ttft_mean_s"] == pytest.approx(floor, abs=1e-4)  # the bound is exact here
 
 
+def test_no_policy_beats_the_cobatch_bound_on_random_workloads() -> None:
+    import random
+
+    from loadtests.simulate import ALL_POLICIES
+    from loadtests.traces import TraceRequest
+
+    # Small random fleets and traces: shared heads of random length, outputs from 1 token up,
+    # arrivals from sparse to bursty. The bound is a proof, so no schedule may beat it.
+    rng = random.Random(7)
+    charged = 0
+    for trial in range(12):
+        heads = [tuple(rng.randrange(10**9) for _ in range(rng.randint(1, 16)))
+                 for _ in range(rng.randint(1, 4))]
+        t, reqs = 0.0, []
+        for _ in range(rng.randint(5, 40)):
+            t += rng.expovariate(rng.choice([0.5, 5.0, 50.0]))
+            ids = (*rng.choice(heads)[: rng.randint(0, 16)], rng.randrange(10**9))
+            reqs.append(TraceRequest(t, len(ids) * 512 - rng.randint(0, 400),
+                                     rng.choice([1, 2, 10, 100]), ids, ""))
+        workload = Workload(f"random{trial}", reqs)
+        replicas = rng.randint(1, 4)
+        for policy in ALL_POLICIES:
+            report = simulate(workload, policy, replicas=replicas)
+            assert report["ttft_bound_mean_s"] <= report["ttft_mean_s"], (trial, policy)
+        charged += report["ttft_bound_mean_s"] > report["ttft_floor_mean_s"]
+    assert charged >= 6  # most traces force co-batched starts, so the check has teeth
+
+
 def test_engine_hit_ratio_counts_only_real_reuse() -> None:
     # Every request has its own context: nothing to reuse, whatever the policy.
     unique = Workload("unique", tenants_workload(n_tenants=20_000, system_blocks=2,
