@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/compare_http
 from gateway import processes  # noqa: E402
 from loadtests import replay as rp  # noqa: E402
 from loadtests.settings import add_workload_param  # noqa: E402
+from loadtests.traces import load_requests  # noqa: E402
 
 SGLANG = "sglang_cache_aware"
 DEFAULT_ROUTERS = ("round_robin", "least_load", "prefix_affinity", SGLANG)
@@ -134,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    requests = rp.load_requests(args.trace, args.workload, args.limit, args.speedup,
-                                dict(args.workload_param))
+    requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
+                                dict(args.workload_param), from_zero=True)
     source = args.workload or Path(str(args.trace).rstrip("/")).name
     fleet = rp.Fleet()
     results: list[dict[str, Any]] = []

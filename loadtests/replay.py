@@ -46,10 +46,8 @@ from loadtests.traces import (  # noqa: E402
     SYNTHETIC,
     TraceRequest,
     ideal_hit_ratio,
-    load_trace,
+    load_requests,
     prompt_text,
-    scale_time,
-    synthetic_workload,
 )
 
 MODEL = "tiny"
@@ -75,28 +73,6 @@ _WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
 
 def log(msg: str) -> None:
     print(f"replay: {msg}", file=sys.stderr, flush=True)
-
-
-# -- requests --------------------------------------------------------------------------------
-
-
-def load_requests(trace: str | None, workload: str | None, limit: int | None,
-                  speedup: float, params: dict[str, Any] | None = None) -> list[TraceRequest]:
-    """The first `limit` requests of a trace file or synthetic workload (built with `params`),
-    time-scaled."""
-    if workload:
-        reqs = sorted(synthetic_workload(workload, params), key=lambda r: r.timestamp_s)
-        reqs = reqs[:limit] if limit else reqs
-    elif trace:
-        reqs = load_trace(trace, limit)
-    else:
-        raise SystemExit("replay: give --trace PATH or --workload NAME")
-    if reqs:
-        t0 = reqs[0].timestamp_s
-        # Start at the first request, not at the trace's zero, so nobody waits for nothing.
-        reqs = [TraceRequest(r.timestamp_s - t0, r.input_tokens, r.output_tokens, r.hash_ids,
-                             r.session) for r in reqs]
-    return scale_time(reqs, speedup)
 
 
 # -- replica metrics -------------------------------------------------------------------------
@@ -524,7 +500,7 @@ def emit(res: dict[str, Any], as_json: bool, output: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
-                             dict(args.workload_param))
+                             dict(args.workload_param), from_zero=True)
     if not requests:
         raise SystemExit("replay: no requests to send")
     fleet = Fleet()

@@ -42,12 +42,10 @@ from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
     ideal_hit_ratio,
-    load_trace,
+    load_requests,
     prompt_text,
-    scale_time,
-    synthetic_workload,
 )
-from loadtests.ttft_bound import cobatch_ttft_bound
+from loadtests.ttft_bound import TtftBounds, ttft_bounds
 from routing import LoadTracker, Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
 from routing.policies.base import Policy
@@ -127,23 +125,13 @@ class Workload:
             self._ideal_cached[block_tokens] = got
         return got
 
-    def ttft_floor_mean(self, profile: LatencyProfile, block_tokens: int) -> float:
-        """Mean TTFT if every request ran alone on an idle engine holding every earlier prefix.
-
-        No policy can do better in the replica model: the hit is one infinite cache's, there is
-        no queue, and no other sequence lengthens the steps. It tells where a target is out of
-        reach of any router (half of round_robin's TTFT below the floor, say).
-        """
-        _, tokens = self.engine_prompts(block_tokens)
-        cached = self.ideal_cached_tokens(block_tokens)
-        if not tokens:
-            return 0.0
-        return sum(profile.ttft_s(p, c) for p, c in zip(tokens, cached, strict=True)) / len(tokens)
-
-    def ttft_bound_mean(self, profile: LatencyProfile, block_tokens: int, replicas: int,
-                        max_output: int, kv_capacity_tokens: int) -> float:
-        """The floor plus the decode co-batching no router avoids (loadtests/ttft_bound.py),
-        over the requests an engine of this capacity accepts."""
+    def ttft_bounds(self, profile: LatencyProfile, block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
+                    replicas: int = 1, max_output: int = DEFAULT_MAX_OUTPUT,
+                    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS) -> TtftBounds:
+        """Mean TTFTs no policy beats in the replica model, over the requests an engine of this
+        capacity accepts: the floor (every request alone on an idle engine holding every earlier
+        prefix) and the floor plus the decode co-batching no router avoids (ttft_bound.py).
+        They tell where a target is out of reach of any router."""
         _, tokens = self.engine_prompts(block_tokens)
         cached = self.ideal_cached_tokens(block_tokens)
         capacity = kv_capacity_tokens // block_tokens * block_tokens
@@ -151,10 +139,8 @@ class Workload:
         # As EngineModel.submit caps max_tokens.
         outputs = [min(max(1, min(self.requests[i].output_tokens, max_output)),
                        capacity - tokens[i]) for i in served]
-        return cobatch_ttft_bound(profile, replicas,
-                                  [self.requests[i].timestamp_s for i in served],
-                                  [tokens[i] for i in served], [cached[i] for i in served],
-                                  outputs)
+        return ttft_bounds(profile, replicas, [self.requests[i].timestamp_s for i in served],
+                           [tokens[i] for i in served], [cached[i] for i in served], outputs)
 
     @property
     def ideal_hit_ratio(self) -> float:
@@ -167,18 +153,8 @@ def load_workload(trace: str | None = None, workload: str | None = None, *,
                   limit: int | None = None, speedup: float = 1.0,
                   params: dict[str, Any] | None = None) -> Workload:
     """A trace file or directory, or a synthetic workload by name, with time divided by speedup."""
-    if trace:
-        requests = load_trace(trace, limit)
-        name = Path(trace).name
-    elif workload:
-        requests = synthetic_workload(workload, params)
-        requests = requests[:limit] if limit else requests
-        name = workload
-    else:
-        raise SystemExit("give --trace PATH or --workload NAME")
-    if speedup <= 0:
-        raise SystemExit("--speedup must be positive")
-    return Workload(name, scale_time(requests, speedup))
+    name = Path(trace).name if trace else workload or ""
+    return Workload(name, load_requests(trace, workload, limit, speedup, params))
 
 
 def make_policy(name: str, settings: RoutingSettings, engines: dict[str, EngineModel],
@@ -333,6 +309,8 @@ def simulate(
     query = sum(e.cache.query_tokens for e in engine_list)
     start = reqs[0].timestamp_s if reqs else 0.0
     end = max((finish_at[r] for r in done if not math.isnan(finish_at[r])), default=start)
+    bounds = workload.ttft_bounds(prof, engine_block_tokens, replicas, max_output,
+                                  kv_capacity_tokens)
     return {
         "requests": len(done),
         "errors": n - len(done),
@@ -344,9 +322,8 @@ def simulate(
         "tpot_p50_s": round(_quantile(tpots, 0.5), 5),
         "hit_ratio": round(hit / query, 4) if query else 0.0,
         "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
-        "ttft_floor_mean_s": round(workload.ttft_floor_mean(prof, engine_block_tokens), 4),
-        "ttft_bound_mean_s": round(workload.ttft_bound_mean(
-            prof, engine_block_tokens, replicas, max_output, kv_capacity_tokens), 4),
+        "ttft_floor_mean_s": round(bounds.floor, 4),
+        "ttft_bound_mean_s": round(bounds.cobatch, 4),
         "imbalance": round(_max_over_mean(routed), 3),
         "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),

@@ -303,3 +303,29 @@ def synthetic_workload(name: str, params: dict[str, Any] | None = None) -> list[
         raise SystemExit(f"workload {name} has no parameter {', '.join(unknown)}; "
                          f"its parameters: {', '.join(sorted(known))}")
     return build(**(params or {}))
+
+
+def load_requests(trace: str | None, workload: str | None, limit: int | None = None,
+                  speedup: float = 1.0, params: dict[str, Any] | None = None, *,
+                  from_zero: bool = False) -> list[TraceRequest]:
+    """The first `limit` requests of a trace file or synthetic workload (built with `params`),
+    time-scaled: what replay, compare_http and simulate all send.
+
+    `from_zero` moves the first request to time 0, so a replay does not wait for nothing. The
+    simulator keeps the workload's own clock: shifting every time by a constant changes float
+    rounding, and with it a few routing ties, so its committed figures would not reproduce.
+    """
+    if speedup <= 0:
+        raise SystemExit("--speedup must be positive")
+    if workload:
+        reqs = synthetic_workload(workload, params)  # built in time order
+        reqs = reqs[:limit] if limit else reqs
+    elif trace:
+        reqs = load_trace(trace, limit)
+    else:
+        raise SystemExit("give --trace PATH or --workload NAME")
+    if reqs and from_zero:
+        t0 = reqs[0].timestamp_s
+        reqs = [TraceRequest(r.timestamp_s - t0, r.input_tokens, r.output_tokens, r.hash_ids,
+                             r.session) for r in reqs]
+    return scale_time(reqs, speedup)

@@ -1,6 +1,6 @@
 """A lower bound on mean TTFT that no router beats in the replica model, co-batching counted.
 
-The TTFT floor (`Workload.ttft_floor_mean`) runs every request alone on an idle engine. This
+The TTFT floor runs every request alone on an idle engine. This
 bound adds what the floor leaves out: a request whose first-token step also decodes other
 sequences pays at least `decode_s(1)` more, and there are too few steps without decoding
 sequences for every request to land in one. The argument, for `backends.sim.model.EngineModel`:
@@ -32,25 +32,33 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from backends.sim.model import LatencyProfile
 
 
-def cobatch_ttft_bound(
+class TtftBounds(NamedTuple):
+    """Two lower bounds on mean TTFT, in the replica model's seconds."""
+
+    floor: float  # every request alone on an idle engine, with the ideal hit
+    cobatch: float  # the floor plus `decode_s(1)` per start that must share a decoding step
+
+
+def ttft_bounds(
     profile: LatencyProfile,
     replicas: int,
     arrivals: Sequence[float],
     prompt_tokens: Sequence[int],
     ideal_cached_tokens: Sequence[int],
     output_tokens: Sequence[int],
-) -> float:
-    """Mean TTFT no router reaches: the floor plus `decode_s(1)` per forced co-batched start.
+) -> TtftBounds:
+    """The floor and the co-batching bound of these requests on `replicas` engines.
 
     `output_tokens` are the tokens each request will generate (after any max_tokens cap).
     """
     n = len(arrivals)
     if n == 0:
-        return 0.0
+        return TtftBounds(0.0, 0.0)
     d1 = profile.decode_s(1)
     decode_step = profile.step_overhead_s + d1
     floor_total = 0.0
@@ -78,4 +86,4 @@ def cobatch_ttft_bound(
             continue
         bisect.insort(last_ends, end)
         escapers += 1
-    return (floor_total + d1 * (len(owned) - escapers)) / n
+    return TtftBounds(floor_total / n, (floor_total + d1 * (len(owned) - escapers)) / n)

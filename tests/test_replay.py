@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.replay import REQUIRED_KEYS, load_requests
-from loadtests.traces import ideal_hit_ratio
+from loadtests.replay import REQUIRED_KEYS
+from loadtests.traces import ideal_hit_ratio, load_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"

@@ -68,7 +68,7 @@ def test_ttft_floor_prices_the_ideal_hit_on_an_idle_engine() -> None:
     _, tokens = workload.engine_prompts(16)
     alone_cold = prof.ttft_s(tokens[0], 0)
     alone_with_hit = prof.ttft_s(tokens[1], 512)
-    assert workload.ttft_floor_mean(prof, 16) == pytest.approx((alone_cold + alone_with_hit) / 2)
+    assert workload.ttft_bounds(prof).floor == pytest.approx((alone_cold + alone_with_hit) / 2)
 
 
 @pytest.mark.parametrize("policy", ["oracle", "prefix_affinity", "sglang_cache_aware"])
@@ -90,7 +90,7 @@ def test_cobatch_bound_charges_a_start_that_must_share_a_step_with_decoding(gap_
     reqs = [TraceRequest(0.0, 1024, 10, (1, 2), ""), TraceRequest(gap_s, 1024, 10, (3, 4), "")]
     workload = Workload("two", reqs)
     report = simulate(workload, "round_robin", replicas=1)
-    floor = workload.ttft_floor_mean(prof, 16)
+    floor = workload.ttft_bounds(prof).floor
     forced = prof.decode_s(1) / 2 if gap_s < 1 else 0.0
     assert report["ttft_bound_mean_s"] == pytest.approx(floor + forced, abs=1e-4)
     assert report["ttft_bound_mean_s"] <= report["ttft_mean_s"]
