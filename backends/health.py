@@ -5,14 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-import aiohttp
+from typing import Protocol
 
 from backends.adapters import Probe
 from backends.pool import Pool, ReplicaState
-from gateway.metrics import GatewayMetrics
+from backends.upstream import Upstream
 
 log = logging.getLogger("prefix_gateway.health")
+
+
+class HealthListener(Protocol):
+    """Told what health checks and scrapes find (the gateway turns it into metrics)."""
+
+    def replica_up(self, pool: str, replica: str, up: bool) -> None: ...
+
+    def engine_state(self, pool: str, replica: ReplicaState) -> None:
+        """`replica.snapshot` and `replica.engine_hit_ratio` were just updated."""
+
+    def step_timing(self, pool: Pool) -> None:
+        """The pool's step timing (`pool.load.steps`) was refreshed."""
 
 
 class HealthMonitor:
@@ -25,11 +36,10 @@ class HealthMonitor:
     declare a whole working pool dead.
     """
 
-    def __init__(self, pools: list[Pool], http: aiohttp.ClientSession,
-                 metrics: GatewayMetrics) -> None:
+    def __init__(self, pools: list[Pool], upstream: Upstream, listener: HealthListener) -> None:
         self.pools = pools
-        self.http = http
-        self.metrics = metrics
+        self.upstream = upstream
+        self.listener = listener
         self._tasks: list[asyncio.Task[None]] = []
 
     async def check_all(self) -> None:
@@ -37,8 +47,8 @@ class HealthMonitor:
         jobs = []
         for pool in self.pools:
             for r in pool.replicas.values():
-                jobs.append(self._probe(pool, r))
-                jobs.append(self._scrape(pool, r))
+                jobs.append(self.probe(pool, r))
+                jobs.append(self.scrape(pool, r))
         await asyncio.gather(*jobs)
 
     def start(self) -> None:
@@ -55,25 +65,18 @@ class HealthMonitor:
     async def _probe_loop(self, pool: Pool) -> None:
         while True:
             await asyncio.sleep(pool.health.interval_s)
-            await asyncio.gather(*(self._probe(pool, r) for r in pool.replicas.values()))
+            await asyncio.gather(*(self.probe(pool, r) for r in pool.replicas.values()))
 
     async def _scrape_loop(self, pool: Pool) -> None:
         while True:
             await asyncio.sleep(pool.health.metrics_interval_s)
-            await asyncio.gather(*(self._scrape(pool, r) for r in pool.replicas.values()))
-            self._export_step_timing(pool)
+            await asyncio.gather(*(self.scrape(pool, r) for r in pool.replicas.values()))
+            # The gateway's own step timing needs no engine metrics, so it is reported even
+            # for replicas whose /metrics cannot be read.
+            self.listener.step_timing(pool)
 
-    def _export_step_timing(self, pool: Pool) -> None:
-        """The gateway's own step timing: it needs no engine metrics, so it is exported even
-        for replicas whose /metrics cannot be read."""
-        m = self.metrics
-        steps = pool.load.steps
-        for name, step in steps.step_times().items():
-            m.engine_step.labels(pool.name, name).set(step)
-        m.prefill_rate.labels(pool.name).set(steps.rate)
-
-    async def _probe(self, pool: Pool, r: ReplicaState) -> None:
-        outcome = await pool.adapter.probe(self.http, r.base_url, pool.health.timeout_s)
+    async def probe(self, pool: Pool, r: ReplicaState) -> None:
+        outcome = await pool.adapter.probe(self.upstream, r.base_url, pool.health.timeout_s)
         if outcome is Probe.OK:
             if not r.healthy:
                 log.info("replica %s/%s is up", pool.name, r.name)
@@ -92,23 +95,17 @@ class HealthMonitor:
                 if r.healthy:
                     log.warning("replica %s/%s is down: %s", pool.name, r.name, r.last_error)
                 r.healthy = False
-        self.metrics.replica_up.labels(pool.name, r.name).set(1 if r.healthy else 0)
+        self.listener.replica_up(pool.name, r.name, r.healthy)
 
-    async def _scrape(self, pool: Pool, r: ReplicaState) -> None:
-        snap = await pool.adapter.scrape(self.http, r.base_url, pool.health.timeout_s)
+    async def scrape(self, pool: Pool, r: ReplicaState) -> None:
+        snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
         if snap is None:
             return
         had_capacity = r.snapshot is not None and r.snapshot.capacity_tokens
         r.observe_snapshot(snap, pool.health.hit_ratio_window_s, time.monotonic())
         if not had_capacity and snap.capacity_tokens:
             pool.apply_engine_capacity(r)
-        m = self.metrics
-        if r.engine_hit_ratio is not None:
-            m.engine_hit_ratio.labels(pool.name, r.name).set(r.engine_hit_ratio)
-        if snap.waiting is not None:
-            m.engine_waiting.labels(pool.name, r.name).set(snap.waiting)
-        if snap.kv_usage is not None:
-            m.engine_kv_usage.labels(pool.name, r.name).set(snap.kv_usage)
+        self.listener.engine_state(pool.name, r)
 
     def mark_failed(self, pool: Pool, r: ReplicaState, error: str,
                     suspect: bool = False) -> None:
@@ -119,4 +116,4 @@ class HealthMonitor:
         r.suspect = suspect
         r.failures = max(r.failures, pool.health.failure_threshold)
         r.last_error = error
-        self.metrics.replica_up.labels(pool.name, r.name).set(0)
+        self.listener.replica_up(pool.name, r.name, False)

@@ -2,24 +2,67 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 from backends.adapters import EngineAdapter, EngineSnapshot, adapter_for
-from gateway.config import PoolConfig, RoutingSettings
-from routing import LoadTracker, Router, build_policy
-from routing.types import ReplicaView
+from backends.upstream import Upstream
+from routing import Router
+from routing.hashing import token_block_hashes
+from routing.load import LoadTracker
+from routing.types import ReplicaView, RoutingRequest
 
 log = logging.getLogger("prefix_gateway.pool")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthTiming:
+    """How often and how patiently a pool's replicas are probed and scraped."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    failure_threshold: int = 2
+    metrics_interval_s: float = 5.0
+    hit_ratio_window_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """Where a replica is and what it serves (None: the pool's models)."""
+
+    name: str
+    base_url: str
+    models: tuple[str, ...] | None = None
+    api_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """Everything a pool is built from, as plain values."""
+
+    name: str
+    engine: str
+    models: tuple[str, ...]
+    replicas: tuple[ReplicaSpec, ...]
+    health: HealthTiming = field(default_factory=HealthTiming)
+    api_key: str | None = None
+    hashing: str = "chars"
+    """`chars` (hash character blocks) or `engine_tokens` (the engine's own tokens)."""
+    token_block_size: int | None = None
+    learn_chars_per_token: bool = True
 
 
 class ReplicaState:
     """One replica: where it is, whether it is healthy, and what its engine last reported."""
 
     def __init__(self, pool: str, name: str, base_url: str, models: set[str],
-                 api_key: str | None) -> None:
+                 api_key: str | None = None) -> None:
         self.pool = pool
         self.name = name
         self.base_url = base_url
@@ -62,44 +105,46 @@ class ReplicaState:
 class Pool:
     """A named group of replicas serving the same models for one or more traffic classes."""
 
-    def __init__(self, cfg: PoolConfig, routing: RoutingSettings) -> None:
-        self.name = cfg.name
-        self.engine = cfg.engine
-        self.adapter: EngineAdapter = adapter_for(cfg.engine)
-        self.models = set(cfg.models)
-        self.health = cfg.health
-        self.settings = routing
-        self.policy_name = routing.policy
+    def __init__(self, spec: PoolSpec, router: Router,
+                 adapter: EngineAdapter | None = None) -> None:
+        self.name = spec.name
+        self.engine = spec.engine
+        self.adapter: EngineAdapter = adapter or adapter_for(spec.engine)
+        self.models = set(spec.models)
+        self.health = spec.health
+        self.spec = spec
+        self.router = router
         self.replicas: dict[str, ReplicaState] = {}
-        for r in cfg.replicas:
+        for r in spec.replicas:
             models = set(r.models) if r.models else set(self.models)
             self.models |= models
-            self.replicas[r.name] = ReplicaState(cfg.name, r.name, r.base_url, models,
-                                                 r.api_key or cfg.api_key)
-        self.router = Router(
-            self.replicas,
-            build_policy(routing.policy, **routing.model_dump()),
-            block_chars=routing.block_chars,
-            chars_per_token=routing.chars_per_token,
-            index_capacity_blocks=routing.index_capacity_blocks,
-            key_blocks=routing.key_blocks,
-        )
-        self.load = LoadTracker(routing.prefill_tokens_per_s)
+            self.replicas[r.name] = ReplicaState(spec.name, r.name, r.base_url, models,
+                                                 r.api_key or spec.api_key)
+            router.add_replica(r.name)
         self._cpt_samples = 0
-        self._cpt_estimate = routing.chars_per_token
+        self._cpt_estimate = router.chars_per_token
+        self._tokenize_cursor = itertools.count()
 
-    def healthy_views(self, model: str, exclude: tuple[str, ...] = ()) -> list[ReplicaView]:
+    @property
+    def policy_name(self) -> str:
+        return self.router.policy.name
+
+    @property
+    def load(self) -> LoadTracker:
+        """The load this gateway has put on each replica (kept by the router)."""
+        return self.router.load
+
+    def healthy_views(self, model: str) -> list[ReplicaView]:
         """Healthy replicas serving `model`; if none, those whose health checks only timed out."""
-        views = self._views(model, exclude, suspects=False)
-        return views or self._views(model, exclude, suspects=True)
+        return self._views(model, suspects=False) or self._views(model, suspects=True)
 
-    def _views(self, model: str, exclude: tuple[str, ...], suspects: bool) -> list[ReplicaView]:
+    def _views(self, model: str, suspects: bool) -> list[ReplicaView]:
         views = []
-        load = self.load
+        load = self.router.load
         now = perf_counter()  # the clock the proxy stamps streamed chunks with
         for r in self.replicas.values():
             usable = r.suspect if suspects else r.healthy
-            if usable and model in r.models and r.name not in exclude:
+            if usable and model in r.models:
                 v = load.view(r.name, now)
                 snap = r.snapshot
                 if snap is not None:
@@ -108,6 +153,43 @@ class Pool:
                 views.append(v)
         return views
 
+    async def routing_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
+                              text: str, traffic_class: str) -> RoutingRequest:
+        """Hash the prompt: the engine's own tokens when configured and available, else the
+        canonical text in character blocks."""
+        if self.spec.hashing == "engine_tokens":
+            request = await self._token_request(upstream, payload, chat, traffic_class)
+            if request is not None:
+                return request
+        return self.router.request_from_text(text, traffic_class)
+
+    async def _token_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
+                             traffic_class: str) -> RoutingRequest | None:
+        """Tokenise on a healthy replica; None when none can (the caller falls back to chars).
+
+        It costs one extra round trip per request; character blocks cost nothing and need no
+        tokenizer.
+        """
+        prompt = payload.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            tokens: list[int] | None = prompt  # already token ids
+        else:
+            model = payload.get("model")
+            healthy = [r for r in self.replicas.values() if r.healthy and model in r.models]
+            if not healthy:
+                return None
+            replica = healthy[next(self._tokenize_cursor) % len(healthy)]
+            headers: Mapping[str, str] = {"Authorization": replica.auth} if replica.auth else {}
+            tokens = await self.adapter.tokenize(upstream, replica.base_url, payload, chat,
+                                                 headers)
+            if tokens is None:
+                return None
+        block = self.token_block_size()
+        hashes = token_block_hashes(tokens, block)
+        return self.router.request_from_hashes(hashes, float(len(tokens)), float(block),
+                                               text=str(tokens[:64]),
+                                               traffic_class=traffic_class)
+
     def observe_prompt_tokens(self, prompt_chars: int, prompt_tokens: int) -> None:
         """Learn the engine's characters per token from what it reports it tokenised.
 
@@ -115,7 +197,7 @@ class Pool:
         (in tokens) and weigh cache hits against queues: a tokenizer at 2.2 characters per token
         read as 4 makes the index believe it holds 1.8x what the engine really keeps.
         """
-        if not self.settings.learn_chars_per_token or prompt_chars <= 0 or prompt_tokens <= 0:
+        if not self.spec.learn_chars_per_token or prompt_chars <= 0 or prompt_tokens <= 0:
             return
         sample = prompt_chars / prompt_tokens
         n = self._cpt_samples = self._cpt_samples + 1
@@ -132,8 +214,8 @@ class Pool:
 
     def token_block_size(self) -> int:
         """Tokens per hashed block in engine_tokens mode: configured, else the engine's own."""
-        if self.settings.token_block_size:
-            return self.settings.token_block_size
+        if self.spec.token_block_size:
+            return self.spec.token_block_size
         for r in self.replicas.values():
             if r.snapshot is not None and r.snapshot.block_size:
                 return r.snapshot.block_size
@@ -144,9 +226,8 @@ class Pool:
         snap = replica.snapshot
         cap = snap.capacity_tokens if snap else None
         if cap:
-            s = self.settings
-            if s.hashing == "engine_tokens":
+            if self.spec.hashing == "engine_tokens":
                 blocks = cap // self.token_block_size()
             else:
-                blocks = int(cap * self.router.chars_per_token / s.block_chars)
+                blocks = int(cap * self.router.chars_per_token / self.router.block_chars)
             self.router.resize_index(replica.name, max(1, blocks))

@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
 from gateway.config import GatewayConfig
-from gateway.proxy import InferenceEndpoint
+from gateway.core import RequestCore
+from gateway.edge import InferenceEndpoint
 from gateway.state import GatewayState
 
 _STATIC = Path(__file__).parent / "static"
@@ -108,9 +109,12 @@ class GatewayApp:
     def __init__(self, config: GatewayConfig, state: GatewayState | None = None) -> None:
         self.state = state or GatewayState(config)
         self.admin = build_admin(self.state)
+        self.core = RequestCore(self.state)
+        limit = config.server.max_body_bytes
         self.fast = {
-            "/v1/chat/completions": InferenceEndpoint(self.state, "/v1/chat/completions", True),
-            "/v1/completions": InferenceEndpoint(self.state, "/v1/completions", False),
+            "/v1/chat/completions": InferenceEndpoint(self.core, "/v1/chat/completions", True,
+                                                      limit),
+            "/v1/completions": InferenceEndpoint(self.core, "/v1/completions", False, limit),
         }
 
     async def __call__(self, scope, receive, send) -> None:

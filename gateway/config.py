@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-EngineKind = Literal["vllm", "trtllm", "sim"]
+EngineKind = Literal["vllm", "trtllm"]
 
 
 class _Strict(BaseModel):

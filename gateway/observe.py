@@ -1,10 +1,12 @@
-"""Recording what happened to a request: Prometheus metrics and the stats, in one call each."""
+"""The one writer of metrics and stats: what requests, routing and health checks report."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from backends.pool import Pool, ReplicaState
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Finished
 from gateway.stats import StatsRecorder
 from routing.types import Decision
 
@@ -55,25 +57,47 @@ class Observer:
     def inflight(self, pool: str, replica: str, delta: int) -> None:
         self._child(self.m.inflight, pool, replica).inc(delta)
 
-    def finished(
-        self,
-        pool: str,
-        replica: str,
-        cls: str,
-        status: str,
-        duration: float,
-        ttft: float | None,
-        tokens: int,
-        decode_time: float,
-    ) -> None:
-        self._child(self.m.requests, pool, replica, cls, status).inc()
-        self._child(self.m.duration, pool, replica, cls).observe(duration)
-        s = self.stats.replica(replica)
+    def finished(self, f: Finished) -> None:
+        self._child(self.m.requests, f.pool, f.replica, f.traffic_class, f.status).inc()
+        self._child(self.m.duration, f.pool, f.replica, f.traffic_class).observe(f.duration_s)
+        s = self.stats.replica(f.replica)
         s.requests += 1
-        if not status.startswith("2"):
+        if not f.status.startswith("2"):
             s.errors += 1
-        if ttft is not None:
-            self._child(self.m.ttft, pool, replica, cls).observe(ttft)
-            s.ttfts.append(ttft)
-            if tokens > 1:
-                self._child(self.m.tpot, pool, replica, cls).observe(decode_time / (tokens - 1))
+        if f.ttft_s is not None:
+            self._child(self.m.ttft, f.pool, f.replica, f.traffic_class).observe(f.ttft_s)
+            s.ttfts.append(f.ttft_s)
+            if f.completion_tokens > 1:
+                self._child(self.m.tpot, f.pool, f.replica, f.traffic_class).observe(
+                    f.decode_s / (f.completion_tokens - 1))
+
+    # What health checks and scrapes find (backends.health.HealthListener) -------------------
+
+    def pools_started(self, pools: list[Pool]) -> None:
+        """Every replica's series exist from the start, at zero, so dashboards see them."""
+        for pool in pools:
+            self.chars_per_token(pool.name, pool.router.chars_per_token)
+            for r in pool.replicas.values():
+                self.replica_up(pool.name, r.name, False)
+                self._child(self.m.inflight, pool.name, r.name).set(0)
+
+    def replica_up(self, pool: str, replica: str, up: bool) -> None:
+        self._child(self.m.replica_up, pool, replica).set(1 if up else 0)
+
+    def engine_state(self, pool: str, replica: ReplicaState) -> None:
+        snap = replica.snapshot
+        if replica.engine_hit_ratio is not None:
+            self._child(self.m.engine_hit_ratio, pool, replica.name).set(
+                replica.engine_hit_ratio)
+        if snap is None:
+            return
+        if snap.waiting is not None:
+            self._child(self.m.engine_waiting, pool, replica.name).set(snap.waiting)
+        if snap.kv_usage is not None:
+            self._child(self.m.engine_kv_usage, pool, replica.name).set(snap.kv_usage)
+
+    def step_timing(self, pool: Pool) -> None:
+        steps = pool.load.steps
+        for name, step in steps.step_times().items():
+            self._child(self.m.engine_step, pool.name, name).set(step)
+        self._child(self.m.prefill_rate, pool.name).set(steps.rate)

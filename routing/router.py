@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from routing.hashing import char_block_hashes, key_hash
+from routing.load import LoadTracker
 from routing.policies import Policy
 from routing.prefix_index import PrefixIndex
-from routing.types import Decision, ReplicaView, RoutingRequest
+from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
 
 
 class Router:
@@ -27,8 +28,10 @@ class Router:
         chars_per_token: float = 4.0,
         index_capacity_blocks: int = 16384,
         key_blocks: int = 1,
+        prefill_tokens_per_s: float | None = None,
     ) -> None:
         self.policy = policy
+        self.load = LoadTracker(prefill_tokens_per_s)
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
@@ -101,3 +104,28 @@ class Router:
         index = self.indexes.get(replica)
         if index is not None and hashes:
             index.insert(hashes)
+
+    def reroute(self, request: RoutingRequest, previous: Decision, replica: str) -> Decision:
+        """The decision to retry `request` on `replica`, one of `previous.fallbacks`."""
+        matched = self.matched_blocks(replica, request.hashes)
+        decision = Decision(
+            replica=replica, reason=REASON_RETRY, matched_blocks=matched,
+            total_blocks=len(request.hashes),
+            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
+            fallbacks=[f for f in previous.fallbacks if f != replica])
+        self.record(replica, request.hashes)
+        return decision
+
+    # Lifecycle of a routed request ------------------------------------------------------------
+
+    def dispatched(self, decision: Decision) -> None:
+        self.load.dispatched(decision.replica, decision.uncached_tokens)
+
+    def chunk(self, replica: str, now: float) -> None:
+        self.load.chunk(replica, now)
+
+    def first_token(self, decision: Decision, now: float, sent_at: float) -> None:
+        self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at)
+
+    def finished(self, decision: Decision, saw_first_token: bool) -> None:
+        self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)

@@ -6,11 +6,13 @@ import asyncio
 
 import aiohttp
 import orjson
+import pytest
 
 from backends.adapters import Probe, TrtllmAdapter, VllmAdapter, adapter_for
 from backends.adapters.trtllm import parse_iteration_stats, parse_trtllm_prometheus
 from backends.adapters.vllm import parse_vllm_metrics
 from backends.pool import ReplicaState
+from backends.upstream.aiohttp_client import AiohttpUpstream
 from tests.conftest import ROOT, start_sims
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -114,6 +116,7 @@ def test_adapters_against_simulated_replicas(tmp_path) -> None:
     perf = start_sims(["trtllm"], tmp_path, extra=("--trtllm-perf-metrics",))
 
     async def run() -> None:
+        upstream = AiohttpUpstream()
         async with aiohttp.ClientSession() as http:
             prompt = "shared prefix " * 300
             for url in (*sims.urls, *perf.urls):
@@ -121,22 +124,36 @@ def test_adapters_against_simulated_replicas(tmp_path) -> None:
                     async with http.post(url + "/v1/completions", data=orjson.dumps(
                             {"model": "tiny", "prompt": prompt, "max_tokens": 2})) as resp:
                         assert resp.status == 200
-            vllm, trt = VllmAdapter(), TrtllmAdapter()
-            assert await vllm.probe(http, sims.urls[0], 2) is Probe.OK
-            assert await trt.probe(http, sims.urls[1], 2) is Probe.OK
-            v = await vllm.scrape(http, sims.urls[0], 2)
+        vllm, trt = VllmAdapter(), TrtllmAdapter()
+        try:
+            assert await vllm.probe(upstream, sims.urls[0], 2) is Probe.OK
+            assert await trt.probe(upstream, sims.urls[1], 2) is Probe.OK
+            v = await vllm.scrape(upstream, sims.urls[0], 2)
             assert v.prefix_hit_tokens > 0 and v.block_size == 16
-            t = await trt.scrape(http, sims.urls[1], 2)
+            t = await trt.scrape(upstream, sims.urls[1], 2)
             assert t.source == "trtllm:iteration-stats" and t.block_size == 32
             assert t.prefix_hit_tokens > 0
-            p = await trt.scrape(http, perf.urls[0], 2)
+            p = await trt.scrape(upstream, perf.urls[0], 2)
             assert p.source == "trtllm:prometheus-trtllm_-names"
             assert p.prefix_hit_tokens > 0
-            assert await vllm.probe(http, "http://127.0.0.1:9", 1) is Probe.DEAD
+            assert await vllm.probe(upstream, "http://127.0.0.1:9", 1) is Probe.DEAD
+            tokens = await vllm.tokenize(upstream, sims.urls[0], {"model": "tiny",
+                                         "prompt": "one two three"}, False, {})
+            assert tokens and all(isinstance(t, int) for t in tokens)
+            assert await trt.tokenize(upstream, sims.urls[1], {"model": "tiny",
+                                      "prompt": "one two"}, False, {}) is None
+        finally:
+            await upstream.aclose()
 
     try:
         asyncio.run(run())
     finally:
         sims.stop()
         perf.stop()
-    assert adapter_for("sim").kind == "vllm"
+
+
+def test_adapter_for_knows_only_real_engine_kinds() -> None:
+    assert isinstance(adapter_for("vllm"), VllmAdapter)
+    assert isinstance(adapter_for("trtllm"), TrtllmAdapter)
+    with pytest.raises(ValueError, match="expected vllm or trtllm"):
+        adapter_for("sim")

@@ -2,77 +2,90 @@
 
 from __future__ import annotations
 
-from backends.adapters import EngineAdapter, EngineSnapshot, Probe
+import asyncio
+from collections.abc import Mapping
+
 from backends.health import HealthMonitor
-from backends.pool import Pool
-from gateway.config import PoolConfig, RoutingSettings
+from backends.pool import HealthTiming, Pool, PoolSpec, ReplicaSpec
+from backends.upstream.inprocess import HandlerResponse, InProcessUpstream
 from gateway.metrics import GatewayMetrics
+from gateway.observe import Observer
+from gateway.stats import StatsRecorder
+from routing import Router, build_policy
+
+A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
 
-class ScriptedAdapter(EngineAdapter):
-    """Answers probes from a script per replica URL, no network."""
-
-    kind = "scripted"
+class ScriptedReplica:
+    """Answers /health as scripted: 'ok' (200), 'dead' (503) or 'hang' (never answers)."""
 
     def __init__(self) -> None:
-        self.outcomes: dict[str, Probe] = {}
+        self.mode = "ok"
 
-    async def probe(self, http, base_url: str, timeout: float) -> Probe:
-        return self.outcomes[base_url]
+    async def __call__(self, method: str, path: str, headers: Mapping[str, str],
+                       body: bytes) -> HandlerResponse:
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        return HandlerResponse(200 if self.mode == "ok" else 503)
 
-    async def scrape(self, http, base_url: str, timeout: float) -> EngineSnapshot | None:
-        return None
 
-
-def make_pool() -> tuple[Pool, ScriptedAdapter, HealthMonitor]:
-    cfg = PoolConfig(name="p", engine="vllm", models=["m"], replicas=[
-        {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}],
-        health={"failure_threshold": 2})
-    pool = Pool(cfg, RoutingSettings())
-    adapter = ScriptedAdapter()
-    pool.adapter = adapter
-    return pool, adapter, HealthMonitor([pool], http=None, metrics=GatewayMetrics())
+def make_pool() -> tuple[Pool, dict[str, ScriptedReplica], HealthMonitor, GatewayMetrics]:
+    spec = PoolSpec("p", "vllm", ("m",), (ReplicaSpec("a", A), ReplicaSpec("b", B)),
+                    health=HealthTiming(failure_threshold=2, timeout_s=0.05))
+    pool = Pool(spec, Router((), build_policy("least_load")))
+    replicas = {A: ScriptedReplica(), B: ScriptedReplica()}
+    metrics = GatewayMetrics()
+    monitor = HealthMonitor([pool], InProcessUpstream(replicas),
+                            Observer(metrics, StatsRecorder()))
+    return pool, replicas, monitor, metrics
 
 
 async def probe_all(monitor: HealthMonitor, pool: Pool) -> None:
     for r in pool.replicas.values():
-        await monitor._probe(pool, r)
+        await monitor.probe(pool, r)
+
+
+def healthy(pool: Pool, model: str = "m") -> list[str]:
+    return [v.name for v in pool.healthy_views(model)]
 
 
 async def test_threshold_then_recovery() -> None:
-    pool, adapter, monitor = make_pool()
-    adapter.outcomes = {"http://127.0.0.1:1": Probe.OK, "http://127.0.0.1:2": Probe.OK}
+    pool, replicas, monitor, metrics = make_pool()
     await probe_all(monitor, pool)
-    assert [v.name for v in pool.healthy_views("m")] == ["a", "b"]
-    adapter.outcomes["http://127.0.0.1:2"] = Probe.DEAD
+    assert healthy(pool) == ["a", "b"]
+    assert metrics.registry.get_sample_value("gateway_replica_up",
+                                             {"pool": "p", "replica": "b"}) == 1
+    replicas[B].mode = "dead"
     await probe_all(monitor, pool)
     assert pool.replicas["b"].healthy  # one failure is below the threshold of 2
     await probe_all(monitor, pool)
-    assert [v.name for v in pool.healthy_views("m")] == ["a"]
-    adapter.outcomes["http://127.0.0.1:2"] = Probe.OK
+    assert healthy(pool) == ["a"]
+    assert metrics.registry.get_sample_value("gateway_replica_up",
+                                             {"pool": "p", "replica": "b"}) == 0
+    replicas[B].mode = "ok"
     await probe_all(monitor, pool)
-    assert [v.name for v in pool.healthy_views("m")] == ["a", "b"]
-    assert pool.healthy_views("other-model") == []
+    assert healthy(pool) == ["a", "b"]
+    assert healthy(pool, "other-model") == []
 
 
 async def test_timeouts_alone_do_not_empty_a_pool() -> None:
-    pool, adapter, monitor = make_pool()
-    adapter.outcomes = {"http://127.0.0.1:1": Probe.TIMEOUT, "http://127.0.0.1:2": Probe.TIMEOUT}
+    pool, replicas, monitor, _ = make_pool()
+    replicas[A].mode = replicas[B].mode = "hang"
     for _ in range(3):
         await probe_all(monitor, pool)
     assert not any(r.healthy for r in pool.replicas.values())
     assert "timed out" in pool.replicas["a"].last_error
     # Every replica is only suspect: the pool still routes to them rather than failing all.
-    assert [v.name for v in pool.healthy_views("m")] == ["a", "b"]
-    adapter.outcomes["http://127.0.0.1:1"] = Probe.DEAD
+    assert healthy(pool) == ["a", "b"]
+    replicas[A].mode = "dead"
     await probe_all(monitor, pool)
-    assert [v.name for v in pool.healthy_views("m")] == ["b"]
+    assert healthy(pool) == ["b"]
     # A healthy replica, once there is one, is preferred over suspects.
-    adapter.outcomes["http://127.0.0.1:1"] = Probe.OK
+    replicas[A].mode = "ok"
     await probe_all(monitor, pool)
-    assert [v.name for v in pool.healthy_views("m")] == ["a"]
+    assert healthy(pool) == ["a"]
     # A connection failure on the request path is proof, not suspicion.
     monitor.mark_failed(pool, pool.replicas["a"], "refused")
-    assert [v.name for v in pool.healthy_views("m")] == ["b"]
+    assert healthy(pool) == ["b"]
     monitor.mark_failed(pool, pool.replicas["b"], "refused")
-    assert pool.healthy_views("m") == []
+    assert healthy(pool) == []

@@ -8,12 +8,12 @@ from backends.adapters.vllm import VllmAdapter
 
 
 def adapter_for(kind: str) -> EngineAdapter:
-    """The adapter for an engine kind; `sim` replicas speak vLLM's surface."""
-    if kind in ("vllm", "sim"):
+    """The adapter for an engine kind (simulated replicas speak one of the two surfaces)."""
+    if kind == "vllm":
         return VllmAdapter()
     if kind == "trtllm":
         return TrtllmAdapter()
-    raise ValueError(f"unknown engine kind {kind!r}; expected vllm, trtllm or sim")
+    raise ValueError(f"unknown engine kind {kind!r}; expected vllm or trtllm")
 
 
 __all__ = [

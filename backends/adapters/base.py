@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import aiohttp
+from backends.upstream import Timeouts, Upstream, UpstreamError
 
 
 @dataclass(slots=True)
@@ -50,29 +52,28 @@ class EngineAdapter(ABC):
     health_path: str = "/health"
     default_block_size: int = 16
 
-    async def probe(self, http: aiohttp.ClientSession, base_url: str, timeout: float) -> Probe:
+    async def probe(self, upstream: Upstream, base_url: str, timeout: float) -> Probe:
         """OK when the engine answers its liveness check with 200."""
         try:
-            async with http.get(base_url + self.health_path,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                await resp.read()
-                return Probe.OK if resp.status == 200 else Probe.DEAD
-        except TimeoutError:
-            return Probe.TIMEOUT
-        except (aiohttp.ClientError, OSError):
-            return Probe.DEAD
+            resp = await upstream.request("GET", base_url + self.health_path,
+                                          timeouts=Timeouts(total=timeout))
+        except UpstreamError as exc:
+            return Probe.TIMEOUT if exc.timed_out else Probe.DEAD
+        try:
+            await resp.read()
+        except UpstreamError as exc:
+            return Probe.TIMEOUT if exc.timed_out else Probe.DEAD
+        finally:
+            resp.release()
+        return Probe.OK if resp.status == 200 else Probe.DEAD
 
     @abstractmethod
     async def scrape(
-        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+        self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
         """Read the engine's load and cache state; None when it exposes nothing usable."""
 
-    async def _get_text(
-        self, http: aiohttp.ClientSession, url: str, timeout: float
-    ) -> tuple[int, str]:
-        try:
-            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                return resp.status, await resp.text()
-        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
-            return 0, ""
+    async def tokenize(self, upstream: Upstream, base_url: str, payload: dict[str, Any],
+                       chat: bool, headers: Mapping[str, str]) -> list[int] | None:
+        """The engine's own token ids for a request's prompt; None when it cannot tell."""
+        return None

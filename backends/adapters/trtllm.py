@@ -8,11 +8,11 @@ iterations since the previous call, so the newest entry is the current state.
 
 from __future__ import annotations
 
-import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.upstream import Upstream, fetch_text
 
 _PROM_PATH = "/prometheus/metrics"
 _JSON_PATH = "/metrics"
@@ -112,11 +112,11 @@ class TrtllmAdapter(EngineAdapter):
         self._has_prometheus: dict[str, bool] = {}
 
     async def scrape(
-        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+        self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
         snap_prom: EngineSnapshot | None = None
         if self._has_prometheus.get(base_url, True):
-            status, text = await self._get_text(http, base_url + _PROM_PATH, timeout)
+            status, text = await fetch_text(upstream, base_url + _PROM_PATH, timeout)
             if status == 200 and text:
                 try:
                     snap_prom = parse_trtllm_prometheus(text)
@@ -125,7 +125,7 @@ class TrtllmAdapter(EngineAdapter):
                 self._has_prometheus[base_url] = snap_prom is not None
             elif status in (404, 405):
                 self._has_prometheus[base_url] = False
-        status, text = await self._get_text(http, base_url + _JSON_PATH, timeout)
+        status, text = await fetch_text(upstream, base_url + _JSON_PATH, timeout)
         snap_json = None
         if status == 200 and text:
             try:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import aiohttp
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.upstream import Timeouts, Upstream, UpstreamError, fetch_text
 
 # Current names first; the deprecated ones are read when the current ones are absent (older
 # releases, or newer ones started with --show-hidden-metrics-for-version).
@@ -70,12 +74,51 @@ class VllmAdapter(EngineAdapter):
     default_block_size = 16
 
     async def scrape(
-        self, http: aiohttp.ClientSession, base_url: str, timeout: float
+        self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
-        status, text = await self._get_text(http, base_url + "/metrics", timeout)
+        status, text = await fetch_text(upstream, base_url + "/metrics", timeout)
         if status != 200 or not text:
             return None
         try:
             return parse_vllm_metrics(text)
         except ValueError:
             return None
+
+    async def tokenize(self, upstream: Upstream, base_url: str, payload: dict[str, Any],
+                       chat: bool, headers: Mapping[str, str]) -> list[int] | None:
+        """vLLM's POST /tokenize renders chat messages with the model's own chat template."""
+        try:
+            resp = await upstream.request(
+                "POST", base_url + "/tokenize", body=orjson.dumps(tokenize_body(payload, chat)),
+                headers={"Content-Type": "application/json", **headers},
+                timeouts=_TOKENIZE_TIMEOUTS)
+        except UpstreamError:
+            return None
+        try:
+            if resp.status != 200:
+                return None
+            tokens = orjson.loads(await resp.read()).get("tokens")
+        except (UpstreamError, orjson.JSONDecodeError, AttributeError):
+            return None
+        finally:
+            resp.release()
+        return tokens if isinstance(tokens, list) else None
+
+
+_TOKENIZE_TIMEOUTS = Timeouts(total=5.0)
+
+
+def tokenize_body(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The /tokenize request for an OpenAI chat or completions body."""
+    body: dict[str, Any] = {"model": payload["model"]}
+    if chat:
+        body["messages"] = payload["messages"]
+        body["add_generation_prompt"] = True
+        for key in ("tools", "chat_template", "chat_template_kwargs"):
+            if payload.get(key) is not None:
+                body[key] = payload[key]
+    else:
+        prompt = payload["prompt"]
+        body["prompt"] = prompt[0] if isinstance(prompt, list) and prompt and \
+            isinstance(prompt[0], str) else prompt
+    return body

@@ -1,0 +1,241 @@
+"""The request core: classify, route, forward with retries, relay; independent of ASGI.
+
+The HTTP edge (gateway/edge.py) calls it for every inference request; so can anything else
+that holds a parsed request, such as a batch runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from time import perf_counter
+
+import orjson
+
+from backends.pool import Pool, ReplicaState
+from backends.upstream import ConnectFailed, ConnectionDropped, Timeouts, UpstreamResponse
+from gateway.attempt import Attempt
+from gateway.errors import GatewayError, model_not_found, no_replica, upstream_failed
+from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
+from gateway.outcome import Finished, Outcome
+from gateway.relay import (
+    ReadFailure,
+    relay_assembled,
+    relay_error_status,
+    relay_passthrough,
+    relay_stream,
+)
+from gateway.state import GatewayState
+from routing.prompt import render_chat, render_completion
+from routing.types import Decision, RoutingRequest
+
+log = logging.getLogger("prefix_gateway.core")
+
+_RETRYABLE = frozenset((502, 503, 504))
+_FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request on its way through the attempts."""
+
+    request: InferenceRequest
+    pool: Pool
+    traffic_class: str
+    routing: RoutingRequest
+    body: bytes
+    """What the replica gets (the client's body, or its internally streamed form)."""
+    headers: dict[str, str]
+    client_auth: str | None
+    assemble: bool
+    """Stream from the replica and rebuild the JSON response here (to time it)."""
+
+
+@dataclass(slots=True)
+class _Failure:
+    """Why one try failed before the client got a byte."""
+
+    detail: str
+    never_sent: bool = False
+
+
+def error_reply(err: GatewayError, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    body = err.body()
+    return Reply(err.status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
+                              *(extra or ())], body)
+
+
+class RequestCore:
+    """Turns an inference request into a reply from the best replica that answers."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        cfg = state.config.server
+        # No total timeout: a long generation that keeps streaming must not be cut. A replica
+        # that goes silent for request_timeout_s is given up on.
+        self.timeouts = Timeouts(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s)
+        self.max_attempts = cfg.max_attempts
+        self.route_headers = cfg.response_headers
+        self.explain_headers = cfg.explain_headers
+        self.internal_stream = cfg.non_streaming_ttft
+
+    async def handle(self, request: InferenceRequest, link: ClientLink | None = None) -> Reply:
+        """The reply to `request`; errors come back as OpenAI-shaped error replies."""
+        link = link or ClientLink()
+        try:
+            call = await self._prepare(request)
+        except GatewayError as err:
+            return error_reply(err)
+        return await self._forward(call, link)
+
+    async def _prepare(self, request: InferenceRequest) -> _Call:
+        state = self.state
+        payload, headers = request.payload, request.headers
+        cls = request.traffic_class or state.classifier.classify(
+            headers, payload.get("service_tier"))
+        pool = state.pool_for_class[cls]
+        model = request.model
+        if model not in pool.models:
+            others = [p.name for p in state.pools if model in p.models]
+            hint = (f" It is served by pool(s) {others}, not by pool {pool.name!r} of "
+                    f"traffic class {cls!r}." if others else
+                    f" Available models: {state.models}.")
+            raise model_not_found(model, hint)
+        text = render_chat(payload) if request.chat else render_completion(payload)
+        routing = await pool.routing_request(state.upstream, payload, request.chat, text, cls)
+        body = request.body
+        assemble = False
+        if not request.stream and self.internal_stream:
+            payload["stream"] = True
+            opts = payload.get("stream_options")
+            payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                         "include_usage": True}
+            body = orjson.dumps(payload)
+            assemble = True
+        fwd = {"Content-Type": "application/json"}
+        for h in _FORWARD_HEADERS:
+            if h in headers:
+                fwd[h.decode()] = headers[h].decode("latin-1")
+        auth = headers.get(b"authorization")
+        return _Call(request, pool, cls, routing, body, fwd,
+                     auth.decode("latin-1") if auth else None, assemble)
+
+    async def _forward(self, call: _Call, link: ClientLink) -> Reply:
+        obs = self.state.observer
+        pool, model = call.pool, call.request.model
+        views = pool.healthy_views(model)
+        if not views:
+            obs.finished(Finished(pool.name, "none", call.traffic_class, "503",
+                                  perf_counter() - call.request.received_at))
+            return error_reply(no_replica(pool.name))
+        first = decision = pool.router.route(call.routing, views)
+        obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
+        candidates = [decision.replica, *decision.fallbacks]
+        last_error = ""
+        tried = 0
+        again: set[str] = set()
+        for i, name in enumerate(candidates):
+            if tried == self.max_attempts:
+                break
+            replica = pool.replicas[name]
+            if tried:
+                # Skip fallbacks that failed meanwhile; they do not use up an attempt.
+                if not (replica.healthy or replica.suspect):
+                    continue
+                if name != decision.replica:
+                    decision = pool.router.reroute(call.routing, first, name)
+                obs.retried(pool.name, name)
+            tried += 1
+            final = tried == self.max_attempts or i == len(candidates) - 1
+            result = await self._attempt(call, replica, decision, final, link)
+            if isinstance(result, Reply):
+                return result
+            last_error = result.detail
+            if result.never_sent and i == len(candidates) - 1 and name not in again:
+                # Nothing else to try, and the request never left: a connect that timed out
+                # is as often a CPU-starved host as a replica gone, so try it again.
+                again.add(name)
+                candidates.append(name)
+        obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
+                              perf_counter() - call.request.received_at))
+        return error_reply(upstream_failed(pool.name, last_error or
+                                           "no healthy replica left to try"))
+
+    async def _attempt(self, call: _Call, replica: ReplicaState, decision: Decision,
+                       final: bool, link: ClientLink) -> Reply | _Failure:
+        """One try on one replica: a reply for the client, or why nothing reached it (so the
+        caller may try elsewhere)."""
+        pool, name = call.pool, replica.name
+        attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
+                          call.request.received_at, self.state.observer, call.assemble)
+        try:
+            resp = await self._send(call, replica)
+        except ConnectFailed as exc:
+            detail = f"{name}: {exc}"
+            self.state.monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
+            attempt.end(Outcome.TRY_ANOTHER)
+            return _Failure(detail, exc.never_sent)
+        if resp.status in _RETRYABLE and not final:
+            detail = f"{name}: HTTP {resp.status}"
+            if resp.status == 503:
+                self.state.monitor.mark_failed(pool, replica, detail)
+            resp.release()
+            attempt.end(Outcome.TRY_ANOTHER)
+            return _Failure(detail)
+        link.upstream = resp
+        extra = self._route_headers(pool, replica, decision)
+        streamed = False
+        try:
+            if resp.status >= 400:
+                return await relay_error_status(resp, attempt, link, extra)
+            if call.request.stream:
+                streamed = True
+                return relay_stream(resp, attempt, link, extra)
+            if call.assemble:
+                return await relay_assembled(resp, attempt, link, extra, call.request.chat)
+            return await relay_passthrough(resp, attempt, link, extra)
+        except ReadFailure as exc:
+            # Nothing reached the client yet: another replica may still answer.
+            detail = f"{name}: {exc.detail.split(':', 1)[0]} while reading the response"
+            self.state.monitor.mark_failed(pool, replica, detail)
+            if not final:
+                attempt.end(Outcome.TRY_ANOTHER)
+                return _Failure(detail)
+            attempt.end(Outcome.FAILED)
+            return error_reply(upstream_failed(pool.name, detail))
+        finally:
+            if not streamed:  # a stream releases its response when it ends
+                link.upstream = None
+                resp.release()
+                attempt.end(Outcome.TRY_ANOTHER)  # no-op unless a bug skipped the ending
+
+    async def _send(self, call: _Call, replica: ReplicaState) -> UpstreamResponse:
+        """Send the request; once more on a new connection if a kept-alive one was closed
+        under it (the engine's idle timeout firing as it was reused: nothing was answered and
+        the replica is fine)."""
+        headers = call.headers
+        auth = replica.auth or call.client_auth
+        if auth:
+            headers = {**headers, "Authorization": auth}
+        url = replica.base_url + call.request.path
+        upstream = self.state.upstream
+        try:
+            return await upstream.request("POST", url, body=call.body, headers=headers,
+                                          timeouts=self.timeouts)
+        except ConnectionDropped as exc:
+            log.info("resending to %s/%s on a new connection: %s", call.pool.name, replica.name,
+                     exc)
+            self.state.observer.resent(call.pool.name, replica.name)
+            return await upstream.request("POST", url, body=call.body, headers=headers,
+                                          timeouts=self.timeouts, fresh_connection=True)
+
+    def _route_headers(self, pool: Pool, replica: ReplicaState,
+                       decision: Decision) -> list[tuple[bytes, bytes]]:
+        out = []
+        if self.route_headers:
+            out.append((b"x-gateway-replica", replica.name.encode()))
+            out.append((b"x-gateway-pool", pool.name.encode()))
+        if self.explain_headers:
+            out.append((b"x-gateway-route-reason", decision.reason.encode()))
+            out.append((b"x-gateway-prefix-match", f"{decision.matched_fraction:.3f}".encode()))
+        return out

@@ -1,0 +1,108 @@
+"""The HTTP edge of the inference path: raw ASGI in, the request core, raw ASGI out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from time import perf_counter
+
+from gateway.core import RequestCore, error_reply
+from gateway.errors import GatewayError
+from gateway.exchange import ClientLink, InferenceRequest, Reply
+from gateway.parse import parse_body
+
+log = logging.getLogger("prefix_gateway.edge")
+
+
+class ClientLeft(Exception):
+    """The client disconnected while its request body was still arriving."""
+
+
+async def read_body(receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientLeft
+        body = msg.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise GatewayError(413, f"Request body is larger than {limit} bytes.",
+                               code="request_too_large")
+        chunks.append(body)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def send_reply(send, reply: Reply) -> None:
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": reply.headers})
+    body = reply.body
+    if isinstance(body, bytes):
+        await send({"type": "http.response.body", "body": body})
+        return
+    async with contextlib.aclosing(body):
+        async for chunk in body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+class InferenceEndpoint:
+    """POST /v1/chat/completions or /v1/completions."""
+
+    def __init__(self, core: RequestCore, path: str, chat: bool, max_body: int) -> None:
+        self.core = core
+        self.path = path
+        self.chat = chat
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self._handle(scope, receive, send)
+        except Exception:
+            # A bug must still answer in OpenAI's shape (and be logged), never hang the client.
+            # If the response had already started, the server refuses a second start: ignore.
+            log.exception("unhandled error on %s", self.path)
+            with contextlib.suppress(Exception):
+                await send_reply(send, error_reply(GatewayError(
+                    500, "The gateway failed to handle this request; it has been logged.",
+                    type="internal_error", code="internal_error")))
+
+    async def _handle(self, scope, receive, send) -> None:
+        received_at = perf_counter()
+        if scope["method"] != "POST":
+            await send_reply(send, error_reply(GatewayError(
+                405, f"Use POST for {self.path}.", code="method_not_allowed")))
+            return
+        try:
+            body = await read_body(receive, self.max_body)
+            payload, model, stream = parse_body(body, self.chat)
+        except GatewayError as err:
+            await send_reply(send, error_reply(err))
+            return
+        except ClientLeft:
+            return
+        request = InferenceRequest(self.path, self.chat, payload, body, model, stream,
+                                   dict(scope["headers"]), received_at=received_at)
+        link = ClientLink()
+        watcher = asyncio.create_task(_watch_disconnect(receive, link))
+        try:
+            reply = await self.core.handle(request, link)
+            if link.gone:
+                if not isinstance(reply.body, bytes):
+                    await reply.body.aclose()
+                return
+            await send_reply(send, reply)
+        finally:
+            watcher.cancel()
+
+
+async def _watch_disconnect(receive, link: ClientLink) -> None:
+    """Tell the core when the client goes away, so the engine stops generating for nobody."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            link.client_gone()
+            return

@@ -1,0 +1,71 @@
+"""The values a request and its reply travel as between the edge and the request core."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Protocol
+
+from backends.upstream import UpstreamResponse
+
+JSON_HEADERS = ((b"content-type", b"application/json"),)
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"))
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """A parsed chat or completions request, whoever sent it (the HTTP edge, a batch runner)."""
+
+    path: str
+    """`/v1/chat/completions` or `/v1/completions`: where the replica gets it."""
+    chat: bool
+    payload: dict[str, Any]
+    body: bytes
+    """The body as the client sent it: forwarded unchanged unless the gateway must change it."""
+    model: str
+    stream: bool
+    headers: Mapping[bytes, bytes] = field(default_factory=dict)
+    """The client's headers, lower-case names."""
+    traffic_class: str | None = None
+    """Already known (e.g. a batch runner's); None: classified from headers and body."""
+    received_at: float = field(default_factory=perf_counter)
+
+
+class ReplyStream(Protocol):
+    """A streamed body. Its consumer must `aclose()` it, read to the end or not."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def __anext__(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the client gets: a status, headers, and the body whole or as a stream."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes | ReplyStream
+
+
+class ClientLink:
+    """The request's tie to its client: tells the core when the client has gone away.
+
+    The edge calls `client_gone()` on a disconnect; the core registers the upstream response
+    being read, so that it is dropped at once and the engine stops generating.
+    """
+
+    __slots__ = ("gone", "upstream")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self.upstream: UpstreamResponse | None = None
+
+    def client_gone(self) -> None:
+        self.gone = True
+        if self.upstream is not None:
+            self.upstream.abort()

@@ -1,0 +1,55 @@
+"""Reading an OpenAI inference body: the JSON, and the few fields routing needs, validated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import bad_request
+
+
+def parse_body(body: bytes, chat: bool) -> tuple[dict[str, Any], str, bool]:
+    """(payload, model, stream) of a chat or completions body, or a 400 GatewayError."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"We could not parse the JSON body of your request ({exc}). "
+                          "Send a JSON object with Content-Type: application/json.",
+                          code="invalid_json") from None
+    model, stream = validate(payload, chat)
+    return payload, model, stream
+
+
+def validate(payload: Any, chat: bool) -> tuple[str, bool]:
+    """Check only what routing reads; every other field goes to the engine unchanged."""
+    if not isinstance(payload, dict):
+        raise bad_request("The request body must be a JSON object.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("you must provide a model parameter (a non-empty string)", "model",
+                          "missing_required_parameter" if model is None else "invalid_type")
+    stream = payload.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", "stream", "invalid_type")
+    if chat:
+        messages = payload.get("messages")
+        if messages is None:
+            raise bad_request("Missing required parameter: 'messages'.", "messages",
+                              "missing_required_parameter")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array of message objects.",
+                              "messages", "invalid_value")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(f"messages[{i}] must be an object with a string 'role'.",
+                                  f"messages[{i}]", "invalid_value")
+    else:
+        prompt = payload.get("prompt")
+        if prompt is None:
+            raise bad_request("Missing required parameter: 'prompt'.", "prompt",
+                              "missing_required_parameter")
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("'prompt' must be a string, an array of strings or of tokens.",
+                              "prompt", "invalid_type")
+    return model, bool(stream)

@@ -1,0 +1,127 @@
+"""Relaying a replica's response to the client, one function per response mode."""
+
+from __future__ import annotations
+
+import orjson
+
+from backends.upstream import ReadFailed, UpstreamResponse
+from gateway.attempt import Attempt
+from gateway.exchange import JSON_HEADERS, SSE_HEADERS, ClientLink, Reply
+from gateway.outcome import Outcome
+from gateway.sse import assemble
+
+
+class ReadFailure(Exception):
+    """The body could not be read before anything reached the client: try elsewhere."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _length(data: bytes) -> tuple[bytes, bytes]:
+    return (b"content-length", str(len(data)).encode())
+
+
+async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                             extra: list[tuple[bytes, bytes]]) -> Reply:
+    """A replica's own 4xx/5xx: passed through as the replica sent it."""
+    data = await _read_all(resp, attempt, link)
+    attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
+    return Reply(resp.status, [(b"content-type", resp.content_type.encode()), _length(data),
+                               *extra], data)
+
+
+async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                            extra: list[tuple[bytes, bytes]]) -> Reply:
+    """A non-streaming answer, relayed whole and untouched."""
+    data = await _read_all(resp, attempt, link)
+    attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
+    return Reply(resp.status, [*JSON_HEADERS, _length(data), *extra], data)
+
+
+async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                          extra: list[tuple[bytes, bytes]], chat: bool) -> Reply:
+    """A non-streaming request the gateway streamed from the replica (to time it): the JSON
+    response is rebuilt from the stream's events."""
+    try:
+        async for chunk in resp.chunks():
+            attempt.observe(chunk)
+    except ReadFailed as exc:
+        if link.gone:
+            attempt.end(Outcome.CLIENT_GONE)
+            return Reply(499, [], b"")
+        raise ReadFailure(str(exc)) from None
+    watcher = attempt.watcher
+    if watcher.error is not None:
+        body, status, outcome = orjson.dumps(watcher.error), 502, Outcome.FAILED
+    else:
+        body, status, outcome = (orjson.dumps(assemble(watcher.events, chat)), resp.status,
+                                 Outcome.ANSWERED)
+    attempt.end(outcome, status)
+    return Reply(status, [*JSON_HEADERS, _length(body), *extra], body)
+
+
+def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                 extra: list[tuple[bytes, bytes]]) -> Reply:
+    """A stream, chunk by chunk as the replica sends it. Once its headers are out it cannot
+    be replayed elsewhere: a replica failing mid-stream ends it with an SSE error event."""
+    return Reply(resp.status, [*SSE_HEADERS, *extra], StreamBody(resp, attempt, link))
+
+
+class StreamBody:
+    """The replica's stream as the client's body. Whoever consumes it must `aclose()` it (a
+    class, not a generator: an unstarted generator's `finally` never runs)."""
+
+    __slots__ = ("_attempt", "_chunks", "_done", "_link", "_resp")
+
+    def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink) -> None:
+        self._resp = resp
+        self._attempt = attempt
+        self._link = link
+        self._chunks = resp.chunks()
+        self._done = False
+
+    def __aiter__(self) -> StreamBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            chunk = await anext(self._chunks)
+        except StopAsyncIteration:
+            self._finish(Outcome.ANSWERED)
+            raise
+        except ReadFailed as exc:
+            if self._link.gone:
+                self._finish(Outcome.CLIENT_GONE)
+                raise StopAsyncIteration from None
+            self._finish(Outcome.FAILED)
+            return b"data: " + orjson.dumps({"error": {
+                "message": f"replica {self._attempt.replica.name} failed mid-stream: "
+                           f"{str(exc).split(':', 1)[0]}",
+                "type": "upstream_error", "param": None, "code": "upstream_failed"}}) + b"\n\n"
+        self._attempt.observe(chunk)
+        return chunk
+
+    async def aclose(self) -> None:
+        """Ends the stream early if it has not ended: the client left."""
+        if not self._done:
+            self._resp.abort()
+            self._finish(Outcome.CLIENT_GONE)
+
+    def _finish(self, outcome: Outcome) -> None:
+        self._done = True
+        self._link.upstream = None
+        self._resp.release()
+        self._attempt.end(outcome, self._resp.status)
+
+
+async def _read_all(resp: UpstreamResponse, attempt: Attempt, link: ClientLink) -> bytes:
+    try:
+        return await resp.read()
+    except ReadFailed as exc:
+        if link.gone:
+            return b""
+        raise ReadFailure(str(exc)) from None
