@@ -36,7 +36,7 @@ def build_admin(state: GatewayState) -> FastAPI:
         await state.start()
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk
-        # it on the hot path (about 6% of the gateway's CPU under load, docs/performance.md).
+        # it on the hot path (about 6% of the gateway's CPU under load, docs/benchmarks.md).
         gc.freeze()
         try:
             yield

@@ -28,7 +28,7 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         app,
         host=config.server.host,
         port=config.server.port,
-        # Measured faster than asyncio + h11 (docs/performance.md).
+        # Measured faster than asyncio + h11 (docs/benchmarks.md).
         loop="uvloop",
         http="httptools",
         access_log=access_log,

@@ -108,7 +108,7 @@ SCENARIOS = _scenarios()
 _workloads: dict[Scenario, Workload] = {}
 
 # The ablation: prefix_affinity at the gateway's defaults, then with one choice undone at a
-# time, on the scenarios where each choice mattered (docs/routing.md, "What was tuned").
+# time, on the scenarios where each choice mattered (docs/routing.md, "Defaults and why").
 ABLATION_SCENARIOS = ("mooncake/32/light", "mooncake/8/heavy", "tenants/8/heavy",
                       "hot_prompt/8/light", "hot_prompt/8/heavy", "multi_turn/8/light",
                       "control/8/light")

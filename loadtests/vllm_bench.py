@@ -648,7 +648,7 @@ def target(agg: dict[str, Any]) -> dict[str, Any] | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # Three replicas: with two, round_robin's caches still keep about half of what is reused,
-    # which caps the hit-ratio gain near 2x (docs/vllm-bench.md, "Three replicas").
+    # which caps the hit-ratio gain near 2x (docs/benchmarks.md, "Two replicas").
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--tenants", type=int, default=9)
     p.add_argument("--system-min", type=int, default=1500, help="shortest system prompt, tokens")

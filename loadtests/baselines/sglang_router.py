@@ -15,7 +15,8 @@ Usage::
 ``start_sglang_router`` returns only once every given worker is registered *and* healthy in
 the router (``GET /workers``). The router's own ``/health`` and ``/readiness`` are not enough:
 the router answers them before it has registered its workers, and ``/readiness`` counts only
-workers that are already registered. See ``docs/baselines.md`` for what the workers must serve.
+workers that are already registered. See ``docs/benchmarks.md`` (the SGLang router baseline)
+for what the workers must serve.
 
 Command line (for manual runs)::
 
