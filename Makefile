@@ -24,3 +24,4 @@ test-fast:
 
 lint:
 	ruff check .
+	lint-imports

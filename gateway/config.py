@@ -69,7 +69,7 @@ class RoutingSettings(_Strict):
     )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(
-        "chars", description="hash character blocks, or the engine's own tokens (vLLM /tokenize)"
+        "chars", description="hash character blocks, or the engine's own tokens (vLLM tokenises)"
     )
     token_block_size: int | None = Field(
         None, ge=1, description="tokens per block with engine_tokens (default: the engine's)"
