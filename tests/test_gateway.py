@@ -1,0 +1,409 @@
+"""The gateway's behaviour, in-process: the official openai client through httpx.ASGITransport
+to the real ASGI app, simulated replicas behind the in-process transport."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import openai
+import orjson
+import pytest
+
+from backends.upstream.inprocess import HandlerResponse
+from gateway.stats import render_table
+from tests.inprocess import Harness, gateway, sim_handler, two_pools
+
+T = TypeVar("T")
+
+
+async def eventually(check: Callable[[], Awaitable[T]], deadline_s: float = 15.0) -> T:
+    """Wait for `check()` to return a truthy value, or fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {deadline_s}s")
+        await asyncio.sleep(0.02)
+
+
+def tenant_prompt(i: int, chars: int = 2000) -> str:
+    text = " ".join(f"Tenant {i} policy clause {j}: answer precisely and cite sources."
+                    for j in range(chars // 40))
+    return text[:chars]
+
+
+@pytest.fixture
+async def gw():
+    async with gateway(two_pools()) as harness:
+        yield harness
+
+
+async def test_shared_prefixes_stay_home_and_spread_over_replicas(gw: Harness) -> None:
+    c = gw.openai()
+    served: dict[int, set[str]] = defaultdict(set)
+    for i in range(8):
+        system = tenant_prompt(i)
+        for u in range(6):
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"User {u} asks question number {u * 7}."}]
+            if u % 2:
+                raw = await c.chat.completions.with_raw_response.create(
+                    model="tiny", messages=messages, max_tokens=4)
+                completion = raw.parse()
+                assert completion.choices[0].message.content
+                assert completion.usage is not None and completion.usage.completion_tokens == 4
+            else:
+                raw = await c.chat.completions.with_raw_response.create(
+                    model="tiny", messages=messages, max_tokens=4, stream=True)
+                chunks = [ch async for ch in raw.parse()]
+                assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert raw.headers["x-gateway-pool"] == "realtime"
+            if u:
+                assert raw.headers["x-gateway-route-reason"] == "affinity"
+                assert float(raw.headers["x-gateway-prefix-match"]) > 0.5
+            served[i].add(raw.headers["x-gateway-replica"])
+    # Sequential requests never load a replica: each tenant stays on its first replica, and
+    # the eight tenants' cold prefixes spread over all three.
+    assert all(len(replicas) == 1 for replicas in served.values()), served
+    assert set().union(*served.values()) == {"rt-0", "rt-1", "rt-2"}
+
+
+async def test_batch_class_is_served_only_by_batch_replicas(gw: Harness) -> None:
+    by_header = gw.openai(default_headers={"x-traffic-class": "batch"})
+    by_key = gw.openai(api_key="sk-batch-key")
+    seen = set()
+    for i in range(4):
+        for c in (by_header, by_key):
+            raw = await c.completions.with_raw_response.create(
+                model="tiny", prompt=tenant_prompt(50 + i % 2) + f" job {i}", max_tokens=3,
+                stream=bool(i % 2))
+            if i % 2:
+                assert [ch async for ch in raw.parse()]
+            assert raw.headers["x-gateway-pool"] == "batch"
+            seen.add(raw.headers["x-gateway-replica"])
+    raw = await gw.openai().chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], service_tier="flex",
+        max_tokens=2)
+    assert raw.headers["x-gateway-pool"] == "batch"
+    seen.add(raw.headers["x-gateway-replica"])
+    assert seen <= {"bt-0", "bt-1"} and seen
+    stats = await gw.stats()
+    classes = {p["name"]: p["traffic_classes"] for p in stats["pools"]}
+    assert classes == {"batch": {"batch": 9}, "realtime": {}}
+
+
+def sample(samples: list, name: str, **labels: str) -> float:
+    return sum(s.value for s in samples if s.name == name
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def test_metrics_have_ttft_for_both_pools_and_estimated_hits(gw: Harness) -> None:
+    c = gw.openai()
+    system = tenant_prompt(99)
+    for u in range(3):
+        await c.chat.completions.create(model="tiny", max_tokens=3, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": str(u)}])
+    await gw.openai(default_headers={"x-traffic-class": "batch"}).completions.create(
+        model="tiny", prompt=system, max_tokens=3)
+    samples = await gw.metrics()
+    assert sample(samples, "gateway_time_to_first_token_seconds_count", pool="realtime") == 3
+    assert sample(samples, "gateway_time_to_first_token_seconds_count", pool="batch") == 1
+    assert sample(samples, "gateway_requests_total", pool="realtime", status="200") == 3
+    # The second and third requests hit the blocks the first one left (all but its last).
+    hits = sample(samples, "gateway_prefix_blocks_total", pool="realtime", result="hit")
+    blocks = len(system) // 256
+    assert hits >= 2 * (blocks - 1)
+    assert sample(samples, "gateway_time_per_output_token_seconds_count") == 4
+    assert sample(samples, "gateway_routing_decisions_total", reason="affinity") == 2
+    assert sample(samples, "gateway_routing_decisions_total", reason="cold") == 2
+    assert sample(samples, "gateway_inflight_requests") == 0
+    up = {s.labels["replica"]: s.value for s in samples if s.name == "gateway_replica_up"}
+    assert up == {"rt-0": 1, "rt-1": 1, "rt-2": 1, "bt-0": 1, "bt-1": 1}
+
+    async def engine_hits() -> set[str]:
+        return {s.labels["replica"] for s in await gw.metrics()
+                if s.name == "gateway_engine_prefix_cache_hit_ratio" and s.value > 0}
+
+    # The engines' own hit ratio, read from their metrics.
+    assert await eventually(engine_hits) <= {"rt-0", "rt-1", "rt-2"}
+
+    async def stepped() -> set[str]:
+        return {s.labels["replica"] for s in await gw.metrics()
+                if s.name == "gateway_engine_step_seconds" and s.value > 0}
+
+    # Engine step times, from the gaps between the chunks the replicas streamed.
+    assert await eventually(stepped)
+
+
+async def test_chars_per_token_is_learned_from_the_engines_usage(gw: Harness) -> None:
+    c = gw.openai()
+    for i in range(10):
+        await c.completions.create(model="tiny", prompt=tenant_prompt(i, 800), max_tokens=1)
+    samples = await gw.metrics()
+    cpt = {s.labels["pool"]: s.value for s in samples if s.name == "gateway_chars_per_token"}
+    # The simulated engines count one token per 4 bytes; the realtime pool learns that.
+    assert set(cpt) == {"realtime", "batch"} and 3.5 < cpt["realtime"] < 4.5
+
+
+async def test_admin_stats_and_its_table_agree(gw: Harness) -> None:
+    c = gw.openai()
+    served = set()
+    for u in range(4):
+        raw = await c.completions.with_raw_response.create(
+            model="tiny", prompt=tenant_prompt(7) + str(u), max_tokens=6)
+        served.add(raw.headers["x-gateway-replica"])
+    stats = await gw.stats()
+    pools = {p["name"]: p for p in stats["pools"]}
+    assert set(pools) == {"realtime", "batch"}
+    rt = pools["realtime"]
+    assert sum(r["requests"] for r in rt["replicas"]) == 4
+    assert rt["decisions_by_reason"] == {"cold": 1, "affinity": 3}
+    assert all(r["healthy"] for r in rt["replicas"])
+    assert all(r["url"] == gw.urls[r["name"]] for r in rt["replicas"])
+    busy = [r for r in rt["replicas"] if r["name"] in served]
+    assert all(r["ttft_p50_s"] > 0 and r["engine_step_s"] > 0 for r in busy)
+    # With no rate configured, each pool learns its engines' prefill rate and says so.
+    assert rt["prefill_rate_learned"] is True
+    table = render_table(stats)
+    assert "pool realtime" in table and "pool batch" in table
+    assert table.count("(learned)") == 2
+    rows = {line.split()[0]: line.split() for line in table.splitlines()
+            if line.strip().startswith(("rt-", "bt-"))}
+    assert {name: int(row[3]) for name, row in rows.items()} == {
+        r["name"]: r["requests"] for p in stats["pools"] for r in p["replicas"]}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/chat/completions", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
+     404, "model_not_found"),
+    ("/v1/chat/completions", b'{"model": "tiny"}', 400, "missing_required_parameter"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_value"),
+    ("/v1/completions", b'{"model": "tiny"}', 400, "missing_required_parameter"),
+    ("/v1/completions", b'[1, 2]', 400, None),
+    ("/v1/completions", b'{"prompt": "x"}', 400, "missing_required_parameter"),
+])
+async def test_bad_requests_get_openai_errors(gw: Harness, path, body, status, code) -> None:
+    r = await gw.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    assert err["code"] == code
+
+
+async def test_openai_client_sees_typed_errors(gw: Harness) -> None:
+    c = gw.openai()
+    with pytest.raises(openai.NotFoundError):
+        await c.chat.completions.create(model="nope",
+                                        messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        await c.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="Unknown traffic class"):
+        await gw.openai(default_headers={"x-traffic-class": "bulk"}).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}])
+
+
+async def test_replica_errors_pass_through(gw: Harness) -> None:
+    # A request the engine itself rejects (its 4xx) reaches the client as the engine sent it.
+    body = {"model": "tiny", "prompt": "x", "max_tokens": -5}
+    r = await gw.http.post("/v1/completions", json=body)
+    direct = await gw.sims["rt-0"].handle("POST", "/v1/completions", {}, orjson.dumps(body))
+    assert direct.status == 400
+    assert r.status_code == 400
+    assert r.json() == orjson.loads(direct.body)
+
+
+async def test_models_health_and_ready(gw: Harness) -> None:
+    assert (await gw.http.get("/health")).json() == {"status": "ok"}
+    ready = await gw.http.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {
+        "ready": True, "healthy_replicas": {"realtime": 3, "batch": 2}}
+    models = await gw.openai().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    page = await gw.http.get("/admin")
+    assert page.status_code == 200 and "/admin/stats" in page.text
+    missing = await gw.http.get("/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+WEIRD_BODIES = [
+    b"", b"null", b'""', b"[]", b"\xff\xfe\x00", b"{" * 2000, b'{"model": 5, "messages": []}',
+    b'{"model": "tiny", "messages": "hi"}', b'{"model": "tiny", "messages": [1]}',
+    b'{"model": "tiny", "messages": [{"content": "no role"}]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+    b'{"model": "", "messages": [{"role": "user", "content": "x"}]}',
+]
+
+
+@pytest.mark.parametrize("body", WEIRD_BODIES)
+async def test_malformed_bodies_never_get_a_5xx(gw: Harness, body) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = await gw.http.post(path, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (path, body[:40], r.status_code, r.text[:200])
+        assert r.json()["error"]["message"]
+
+
+async def test_wrong_method_and_oversized_body(gw: Harness) -> None:
+    r = await gw.http.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (33 * 1024 * 1024) + b'"}'
+    r = await gw.http.post("/v1/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+# Failover ---------------------------------------------------------------------------------
+
+
+def replica_up(samples: list) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in samples if s.name == "gateway_replica_up"}
+
+
+async def test_failing_home_is_skipped_before_the_first_byte() -> None:
+    # Slow probes: the failure must be noticed by the request path itself, not by the prober.
+    config = two_pools(realtime=2, batch=1)
+    for pool in config["pools"]:
+        pool["health"] = {**pool["health"], "interval_s": 30}
+    async with gateway(config) as gw:
+        c = gw.openai()
+        prompt = "A long shared prefix for failover. " * 40
+        home = await c.completions.with_raw_response.create(model="tiny", prompt=prompt,
+                                                             max_tokens=2)
+        home_name = home.headers["x-gateway-replica"]
+        other = ({"rt-0", "rt-1"} - {home_name}).pop()
+        assert (await gw.sims[home_name].handle("POST", "/sim/fail", {}, b"")).status == 200
+        # Same prefix, so routing prefers the failing home; the gateway must retry elsewhere.
+        for stream in (False, True):
+            raw = await c.completions.with_raw_response.create(
+                model="tiny", prompt=prompt + "again", max_tokens=2, stream=stream)
+            if stream:
+                assert [ch async for ch in raw.parse()]
+            assert raw.headers["x-gateway-replica"] == other
+        # The first retry went by reason "retry"; the second was routed away at once.
+        samples = await gw.metrics()
+        assert replica_up(samples)[home_name] == 0
+        assert sample(samples, "gateway_retries_total", replica=other) == 1
+        stats = await gw.stats()
+        rt = next(p for p in stats["pools"] if p["name"] == "realtime")
+        home_stats = next(r for r in rt["replicas"] if r["name"] == home_name)
+        assert home_stats["healthy"] is False and "503" in home_stats["last_error"]
+
+
+async def test_replica_leaves_and_rejoins_rotation() -> None:
+    async with gateway(two_pools(realtime=2, batch=1)) as gw:
+        await gw.sims["rt-0"].handle("POST", "/sim/fail", {}, b"")
+
+        async def up_is(name: str, value: int) -> bool:
+            return replica_up(await gw.metrics()).get(name) == value
+
+        await eventually(lambda: up_is("rt-0", 0))
+        c = gw.openai()
+        for i in range(6):
+            raw = await c.completions.with_raw_response.create(
+                model="tiny", prompt=f"p{i} " * 200, max_tokens=1)
+            assert raw.headers["x-gateway-replica"] == "rt-1"
+        await gw.sims["rt-0"].handle("POST", "/sim/recover", {}, b"")
+        await eventually(lambda: up_is("rt-0", 1))
+        # Whole batch pool down: its class gets 503 with an OpenAI error, realtime still works.
+        await gw.sims["bt-0"].handle("POST", "/sim/fail", {}, b"")
+        await eventually(lambda: up_is("bt-0", 0))
+        r = await gw.http.post("/v1/completions", headers={"x-traffic-class": "batch"},
+                               json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_healthy_replica"
+        ready = await gw.http.get("/ready")
+        assert ready.status_code == 503 and ready.json()["healthy_replicas"]["batch"] == 0
+        assert (await c.completions.create(model="tiny", prompt="still fine",
+                                           max_tokens=1)).choices
+
+
+async def test_refused_connections_are_retried_and_the_error_names_no_address() -> None:
+    async with gateway(two_pools(realtime=2, batch=1)) as gw:
+        gw.upstream.unmount(gw.urls["rt-0"])  # refuses connections, as a stopped process does
+        c = gw.openai()
+        for i in range(4):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": f"q{i} " * 100}],
+                max_tokens=1)
+            assert raw.headers["x-gateway-replica"] == "rt-1"
+        gw.upstream.unmount(gw.urls["rt-1"])
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code in (502, 503)
+        assert r.json()["error"]["type"] in ("upstream_error", "service_unavailable")
+        assert ".test:8000" not in r.text
+
+
+def broken_stream(after: int) -> Callable[..., Awaitable[HandlerResponse]]:
+    """A replica that streams `after` SSE chunks, then drops the connection."""
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+
+        async def chunks():
+            for i in range(after):
+                event = {"id": "x", "object": "text_completion", "model": "tiny",
+                         "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+            raise ConnectionResetError("replica died")
+
+        return HandlerResponse(200, chunks(), {"content-type": "text/event-stream"})
+
+    return handle
+
+
+def one_replica(**server: Any) -> dict[str, Any]:
+    config = two_pools(realtime=1, batch=1)
+    config["server"] = server
+    return config
+
+
+async def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
+    async with gateway(one_replica(), handlers={"rt-0": broken_stream(2)}) as gw:
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                        "stream": True, "max_tokens": 5})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+        assert [orjson.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
+        error = orjson.loads(events[2])["error"]
+        assert error["code"] == "upstream_failed" and "mid-stream" in error["message"]
+        samples = await gw.metrics()
+        assert sample(samples, "gateway_requests_total", replica="rt-0", status="502") == 1
+        assert sample(samples, "gateway_inflight_requests") == 0
+
+
+async def test_a_non_streaming_answer_cut_short_is_a_502_in_openai_shape() -> None:
+    async with gateway(one_replica(), handlers={"rt-0": broken_stream(1)}) as gw:
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "upstream_unavailable" and "rt-0" in err["message"]
+        samples = await gw.metrics()
+        assert sample(samples, "gateway_requests_total", status="502") == 1
+        assert sample(samples, "gateway_inflight_requests") == 0
+
+
+async def test_without_internal_streaming_the_body_passes_through_untouched() -> None:
+    seen: list[bytes] = []
+    async with gateway(one_replica(non_streaming_ttft=False)) as gw:
+        real = sim_handler(gw.sims["rt-0"])
+
+        async def recording(method, target, headers, body) -> HandlerResponse:
+            if target.startswith("/v1/"):
+                seen.append(body)
+            return await real(method, target, headers, body)
+
+        gw.upstream.mount(gw.urls["rt-0"], recording)
+        body = b'{"model":"tiny","prompt":"hello there","max_tokens":3,"x_custom":[1,2]}'
+        r = await gw.http.post("/v1/completions", content=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert seen == [body]
