@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from backends.sim.model import PROFILES, EngineModel, Event
+from backends.sim.engine import EngineModel, Event
+from backends.sim.profiles import PROFILES
 
 SimKind = Literal["vllm", "trtllm"]
 DEFAULT_BLOCK_TOKENS: dict[str, int] = {"vllm": 16, "trtllm": 32}
