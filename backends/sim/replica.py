@@ -106,7 +106,6 @@ class SimReplica:
             token_events=True,
             iteration_log=TRTLLM_ITER_STATS_KEPT if spec.kind == "trtllm" else 0,
         )
-        self.failing = False
         self.port = spec.port
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
