@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -83,9 +83,9 @@ class SimApp:
         response's `stream`; every other answer is complete. Cancelling the call aborts the
         request in the engine, as a client disconnect does.
         """
-        url = urlsplit(target)
-        query = {k: v[0] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-        by_method = self.routes.get(url.path)
+        path, _, qs = target.partition("?")
+        query = {k: v[0] for k, v in parse_qs(qs, keep_blank_values=True).items()} if qs else {}
+        by_method = self.routes.get(path)
         if by_method is None:
             return text_response(404, "404: Not Found")
         handler = by_method.get(method)
@@ -94,7 +94,7 @@ class SimApp:
             response.headers["Allow"] = ",".join(sorted(by_method))
             return response
         try:
-            response = await handler(self, SimRequest(method, url.path, query, headers, body))
+            response = await handler(self, SimRequest(method, path, query, headers, body))
         except BadRequest as bad:
             return bad.response
         if method == "HEAD":
