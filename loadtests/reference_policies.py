@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from backends.sim.model import EngineModel
+from backends.sim.engine import EngineModel
 from routing import rendezvous
 from routing.policies.base import Policy, PrefixLookup
 from routing.prefix_index import PrefixIndex

@@ -1,6 +1,6 @@
 """Offline discrete-event simulation of the gateway's routing over simulated engines (no HTTP).
 
-The replicas are `backends.sim.model.EngineModel`, the same cache and latency model the HTTP
+The replicas are `backends.sim.engine.EngineModel`, the same cache and latency model the HTTP
 simulated replica runs; the router is `routing.Router` with the policy `routing.build_policy`
 makes from the gateway's `RoutingSettings`, fed as the gateway feeds it: the prompt text goes
 through `router.request_from_text`, replica views come from a `routing.LoadTracker` updated on
@@ -33,7 +33,8 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable (loadtests is not installed).
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.sim.model import PROFILES, EngineModel, LatencyProfile
+from backends.sim.engine import EngineModel
+from backends.sim.profiles import PROFILES, LatencyProfile
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware

@@ -3,7 +3,7 @@
 The TTFT floor runs every request alone on an idle engine. This
 bound adds what the floor leaves out: a request whose first-token step also decodes other
 sequences pays at least `decode_s(1)` more, and there are too few steps without decoding
-sequences for every request to land in one. The argument, for `backends.sim.model.EngineModel`:
+sequences for every request to land in one. The argument, for `backends.sim.engine.EngineModel`:
 
 1. A request's TTFT is at least its floor (the ideal hit, alone) plus every other cost in its
    prefill steps: `decode_s(n)` for n >= 1 decoding sequences, other requests' prefill chunks.
@@ -34,7 +34,7 @@ import bisect
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from backends.sim.model import LatencyProfile
+from backends.sim.profiles import LatencyProfile
 
 
 class TtftBounds(NamedTuple):

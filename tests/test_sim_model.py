@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from backends.sim.model import PROFILES, EngineModel, Event, PrefixCache
+from backends.sim.engine import EngineModel, Event
+from backends.sim.kv_cache import PrefixCache
+from backends.sim.profiles import PROFILES
 from routing.hashing import chain_hashes
 
 BT = 16

@@ -58,7 +58,7 @@ def test_no_policy_beats_the_ttft_floor(tenants: Workload, policy: str) -> None:
 
 
 def test_ttft_floor_prices_the_ideal_hit_on_an_idle_engine() -> None:
-    from backends.sim.model import PROFILES
+    from backends.sim.profiles import PROFILES
     from loadtests.traces import TraceRequest
 
     prof = PROFILES["qwen-32b-h200"]
@@ -80,7 +80,7 @@ def test_no_policy_beats_the_cobatch_bound(tenants: Workload, policy: str) -> No
 
 @pytest.mark.parametrize("gap_s", [0.1, 5.0])
 def test_cobatch_bound_charges_a_start_that_must_share_a_step_with_decoding(gap_s: float) -> None:
-    from backends.sim.model import PROFILES
+    from backends.sim.profiles import PROFILES
     from loadtests.traces import TraceRequest
 
     prof = PROFILES["qwen-32b-h200"]

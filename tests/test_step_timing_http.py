@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from backends.sim.model import PROFILES
+from backends.sim.profiles import PROFILES
 from gateway import processes
 from gateway.defaults import one_pool_config
 from tests.conftest import start_gateway, start_sims, streaming_meanwhile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from backends.sim.model import PROFILES
+from backends.sim.profiles import PROFILES
 from backends.sim.replica import SimReplicaSpec
 from backends.sim.server import serve_sims
 

@@ -15,8 +15,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from backends.sim.model import Histogram, IterationRecord
 from backends.sim.replica import SimReplica
+from backends.sim.stats import Histogram, IterationRecord
 
 
 def _hist(name: str, doc: str, labels: dict[str, str], h: Histogram) -> HistogramMetricFamily:

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from backends.sim.model import PROFILES, EngineModel, Event
+from backends.sim.engine import EngineModel, Event
+from backends.sim.profiles import PROFILES
 
 SimKind = Literal["vllm", "trtllm"]
 DEFAULT_BLOCK_TOKENS: dict[str, int] = {"vllm": 16, "trtllm": 32}
@@ -105,7 +106,6 @@ class SimReplica:
             token_events=True,
             iteration_log=TRTLLM_ITER_STATS_KEPT if spec.kind == "trtllm" else 0,
         )
-        self.failing = False
         self.port = spec.port
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()

@@ -1,308 +1,16 @@
-"""The simulated engine's prefix cache and continuous-batching latency model (pure, no I/O)."""
+"""The continuous-batching engine model: scheduling, prefill chunks and decode in simulated time."""
 
 from __future__ import annotations
 
-import bisect
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-# vLLM's and trtllm-serve's default TTFT buckets (identical in both engines).
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-# Both engines' request-latency buckets (end-to-end, queue time).
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-TPOT_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-
-
-class Histogram:
-    """Bucketed observations (non-cumulative counts; the last slot is +Inf)."""
-
-    __slots__ = ("buckets", "count", "counts", "sum")
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[int]:
-        out, total = [], 0
-        for n in self.counts:
-            total += n
-            out.append(total)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyProfile:
-    """Cost of one engine iteration (step), in unscaled seconds.
-
-    A step costs `step_overhead_s`, plus `decode_base_s + decode_per_seq_s * b` when it decodes
-    b sequences, plus for every prefill chunk of k uncached tokens starting at position p:
-    `k / prefill_tokens_per_s + attention_s_per_token2 * k * (p + k / 2)` (the quadratic term is
-    attention over the context), plus `cached_token_s` per prefix-cache-hit token in the step
-    where the request starts its prefill (reading its cached KV is not free).
-    """
-
-    name: str
-    prefill_tokens_per_s: float
-    attention_s_per_token2: float
-    cached_token_s: float
-    step_overhead_s: float
-    decode_base_s: float
-    decode_per_seq_s: float
-    max_running: int
-    max_batched_tokens: int
-    calibration: str = ""
-
-    def prefill_chunk_s(self, tokens: int, context: int) -> float:
-        """Compute cost of `tokens` uncached prompt tokens after `context` earlier tokens."""
-        return tokens / self.prefill_tokens_per_s + self.attention_s_per_token2 * tokens * (
-            context + tokens / 2
-        )
-
-    def decode_s(self, batch: int) -> float:
-        """Decode cost of one step over `batch` sequences (without the step overhead)."""
-        return self.decode_base_s + self.decode_per_seq_s * batch if batch else 0.0
-
-    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """TTFT of a lone request on an idle engine: its uncached tokens are prefilled in
-        chunks of `max_batched_tokens`, one step each (at least one step, as vLLM computes
-        the last prompt token even on a full hit)."""
-        t = self.cached_token_s * cached_tokens
-        done = cached_tokens
-        while True:
-            k = min(self.max_batched_tokens, prompt_tokens - done)
-            t += self.step_overhead_s + self.prefill_chunk_s(max(0, k), done)
-            done += k
-            if done >= prompt_tokens:
-                return t
-
-
-PROFILES: dict[str, LatencyProfile] = {
-    profile.name: profile
-    for profile in (
-        LatencyProfile(
-            name="llama-8b-h200",
-            prefill_tokens_per_s=37_600.0,
-            attention_s_per_token2=9.0e-10,
-            cached_token_s=1.7e-6,
-            step_overhead_s=0.005,
-            decode_base_s=0.0153,
-            decode_per_seq_s=0.0008,
-            max_running=256,
-            max_batched_tokens=8192,
-            calibration=(
-                "ENGINES.md H200 table, Llama 8B: cold 2k/8k/16k/32k -> 61/253/562/1,350 ms "
-                "(measured 60/253/577/1,360; 32k tok/s effective at 8k); cached 8k+256/16k+512/"
-                "32k+512 -> 28/54/90 ms (measured 32/54/90); decode step at batch 1/8/32/64 -> "
-                "21/27/46/72 ms (least-squares line through 26/24/41/74). Eager-PyTorch launch "
-                "floor of small cases (512 cold 38 ms, 2k+128 cached 31 ms) not modelled."
-            ),
-        ),
-        LatencyProfile(
-            name="qwen-32b-h200",
-            prefill_tokens_per_s=9_072.0,
-            attention_s_per_token2=2.2e-9,
-            cached_token_s=5.0e-6,
-            step_overhead_s=0.005,
-            decode_base_s=0.0383,
-            decode_per_seq_s=0.00172,
-            max_running=256,
-            max_batched_tokens=8192,
-            calibration=(
-                "ENGINES.md H200 table, Qwen 32B shape: cold 512/2k/8k/16k/32k -> "
-                "62/235/982/2,106/4,799 ms (measured 64/239/982/2,114/4,799; 8.3k tok/s "
-                "effective at 8k); cached 8k+256/16k+512/32k+512 -> 79/162/262 ms (measured "
-                "76/162/261; 2k+128 measured 122 ms is an outlier); decode step at batch "
-                "1/8/32/64 -> 45/57/98/153 ms (least-squares line through 50/54/94/156)."
-            ),
-        ),
-        LatencyProfile(
-            name="vllm-cpu-tiny",
-            prefill_tokens_per_s=21_240.0,
-            attention_s_per_token2=2.99e-8,
-            cached_token_s=1.67e-5,
-            step_overhead_s=0.010,
-            decode_base_s=0.002,
-            decode_per_seq_s=0.0003,
-            max_running=256,
-            max_batched_tokens=4096,
-            calibration=(
-                "ENGINES.md vLLM CPU (vllm-cpu 0.32.0, 4-layer hidden-256 Llama, 2 cores), "
-                "streaming /v1/completions, assuming the simulator's chars/4 estimate gives "
-                "1.5 tokens per English word: 1,600 words = 2,400 tokens -> 209 ms cold / "
-                "50 ms cached; 800 words = 1,200 tokens -> 88 ms cold / 30 ms cached (fitted "
-                "exactly). Decode step (12 ms at batch 1 + 0.3 ms per sequence) is assumed, "
-                "not measured."
-            ),
-        ),
-    )
-}
-
-
-class PrefixCache:
-    """Block-hashed KV cache with a capacity in blocks and block-granular LRU eviction.
-
-    Blocks in use by running requests are pinned (refcounted) and never evicted; unpinned
-    resident blocks sit in LRU order. `reserved` counts blocks promised to running requests that
-    do not hold a hashed prefix block yet (uncomputed prompt blocks, partial tail, decode
-    output), so admission can guarantee a request never runs out of KV mid-flight.
-    """
-
-    def __init__(self, capacity_blocks: int, block_tokens: int) -> None:
-        if capacity_blocks <= 0 or block_tokens <= 0:
-            raise ValueError("capacity_blocks and block_tokens must be positive")
-        self.capacity_blocks = capacity_blocks
-        self.block_tokens = block_tokens
-        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._pins: dict[int, int] = {}
-        self.reserved = 0
-        self.query_tokens = 0
-        self.hit_tokens = 0
-        self.inserted_blocks = 0
-        self.evicted_blocks = 0
-
-    @property
-    def resident_blocks(self) -> int:
-        return len(self._lru) + len(self._pins)
-
-    @property
-    def used_blocks(self) -> int:
-        """Blocks held or reserved by running requests (what vLLM reports as KV usage)."""
-        return len(self._pins) + self.reserved
-
-    @property
-    def free_blocks(self) -> int:
-        """Blocks holding nothing at all (evictable cached blocks are not counted)."""
-        return self.capacity_blocks - len(self._lru) - len(self._pins) - self.reserved
-
-    @property
-    def evictable_blocks(self) -> int:
-        return len(self._lru)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._lru or block_hash in self._pins
-
-    def hashes(self) -> list[int]:
-        """Every resident block hash (pinned first, then unpinned oldest first)."""
-        return [*self._pins, *self._lru]
-
-    def match(self, hashes: Sequence[int], touch: bool = True) -> int:
-        """Number of leading blocks resident; the chain is useless past the first miss."""
-        lru, pins = self._lru, self._pins
-        n = 0
-        for h in hashes:
-            if h not in lru and h not in pins:
-                break
-            n += 1
-        if touch and n:
-            # Head blocks become the most recent: losing a head orphans the whole chain.
-            for h in reversed(hashes[:n]):
-                if h in lru:
-                    lru.move_to_end(h)
-        return n
-
-    def lookup(self, hashes: Sequence[int], query_tokens: int) -> int:
-        """`match` that also counts the query and its hit in tokens, as vLLM does."""
-        n = self.match(hashes)
-        self.query_tokens += query_tokens
-        self.hit_tokens += n * self.block_tokens
-        return n
-
-    def insert(self, hashes: Sequence[int]) -> int:
-        """Make a chain resident and most recent (unpinned); returns blocks newly added."""
-        added = 0
-        for h in reversed(hashes):
-            if h in self._pins:
-                continue
-            if h in self._lru:
-                self._lru.move_to_end(h)
-                continue
-            if self.free_blocks <= 0 and not self._evict(1):
-                break
-            self._lru[h] = None
-            added += 1
-        self.inserted_blocks += added
-        return added
-
-    def acquire(self, hashes: Sequence[int]) -> None:
-        """Pin resident blocks for a running request."""
-        lru, pins = self._lru, self._pins
-        for h in hashes:
-            if h in pins:
-                pins[h] += 1
-            else:
-                del lru[h]
-                pins[h] = 1
-
-    def release(self, hashes: Sequence[int]) -> None:
-        """Unpin blocks; tail first so the chain's head is the last to be evicted (as vLLM)."""
-        lru, pins = self._lru, self._pins
-        for h in reversed(hashes):
-            left = pins[h] - 1
-            if left:
-                pins[h] = left
-            else:
-                del pins[h]
-                lru[h] = None
-
-    def reserve(self, blocks: int) -> bool:
-        """Promise `blocks` to a request, evicting LRU blocks if needed; False if impossible."""
-        short = blocks - self.free_blocks
-        if short > 0 and not self._evict(short):
-            return False
-        self.reserved += blocks
-        return True
-
-    def unreserve(self, blocks: int) -> None:
-        self.reserved -= blocks
-
-    def commit(self, block_hash: int) -> None:
-        """Turn one reserved block into the pinned, hashed block a request just computed."""
-        self.reserved -= 1
-        pins = self._pins
-        if block_hash in pins:
-            pins[block_hash] += 1
-            return
-        if block_hash in self._lru:
-            del self._lru[block_hash]
-        else:
-            self.inserted_blocks += 1
-        pins[block_hash] = 1
-
-    def clear(self) -> int:
-        """Drop every unpinned block (vLLM's reset_prefix_cache); returns blocks dropped."""
-        n = len(self._lru)
-        self._lru.clear()
-        self.evicted_blocks += n
-        return n
-
-    def _evict(self, blocks: int) -> bool:
-        if blocks > len(self._lru):
-            return False
-        pop = self._lru.popitem
-        for _ in range(blocks):
-            pop(last=False)
-        self.evicted_blocks += blocks
-        return True
-
+from backends.sim.kv_cache import PrefixCache
+from backends.sim.profiles import LatencyProfile
+from backends.sim.stats import Counters, EngineStats, Histogram, IterationRecord
 
 EventKind = Literal["first_token", "tokens", "finished"]
 
@@ -323,31 +31,10 @@ class Event(NamedTuple):
     finish_reason: str = ""
 
 
-@dataclass(slots=True)
-class IterationRecord:
-    """One engine step, enough to render trtllm-serve's iteration stats."""
-
-    iter: int
-    start: float
-    end: float
-    num_active: int
-    num_queued: int
-    num_new_active: int
-    num_completed: int
-    num_context_requests: int
-    num_gen_requests: int
-    num_ctx_tokens: int
-    used_blocks: int
-    free_blocks: int
-    max_blocks: int
-    reused_blocks: int
-    missed_blocks: int
-    alloc_total_blocks: int
-    alloc_new_blocks: int
-
-
 @dataclass(slots=True, eq=False)
 class _Req:
+    """One request's progress through the engine (prompt blocks computed, KV held)."""
+
     req_id: str
     hashes: list[int]
     prompt_tokens: int
@@ -355,7 +42,6 @@ class _Req:
     arrival: float
     total_blocks: int
     cached_tokens: int = 0
-    admitted: float = 0.0
     first_token_time: float = 0.0
     computed: int = 0
     pinned: int = 0
@@ -365,57 +51,13 @@ class _Req:
 
 @dataclass(slots=True)
 class _Step:
+    """The iteration in flight: when it ends and what it computes."""
+
     start: float
     end: float
     n_decode: int
     chunks: list[tuple[_Req, int]]
     n_new: int
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Gauges and counters in the units the real engines export (tokens, not blocks)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens: int
-    prompt_cached_tokens: int
-    generation_tokens: int
-    request_success: int
-    request_aborted: int
-    ttft_bucket_counts: list[int]  # non-cumulative, one per TTFT_BUCKETS edge plus +Inf
-    ttft_sum: float
-    ttft_count: int
-    pending_prefill_tokens: int
-    capacity_blocks: int
-    used_blocks: int
-    free_blocks: int
-    resident_blocks: int
-    reused_blocks: int
-    missed_blocks: int
-    alloc_total_blocks: int
-    alloc_new_blocks: int
-    iterations: int
-
-
-@dataclass(slots=True)
-class _Counters:
-    prompt_tokens: int = 0
-    prompt_cached_tokens: int = 0
-    generation_tokens: int = 0
-    success: int = 0
-    aborted: int = 0
-    reused_blocks: int = 0
-    missed_blocks: int = 0
-    alloc_total_blocks: int = 0
-    alloc_new_blocks: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
 
 class EngineModel:
@@ -471,7 +113,7 @@ class EngineModel:
         self._kv_blocked = False
         self._pending_prefill = 0
         self._iter = 0
-        self._c = _Counters()
+        self._c = Counters()
 
     # -- the clock -------------------------------------------------------------------------
 
@@ -506,16 +148,12 @@ class EngineModel:
         prompt_tokens: int,
         max_tokens: int,
         now: float,
-        block_tokens: int | None = None,
     ) -> int:
         """Queue a request; returns the max_tokens it will generate (capped by KV capacity).
 
-        `block_hashes` are chained hashes of the prompt's full `block_tokens`-token blocks.
+        `block_hashes` are chained hashes of the prompt's full blocks of this engine's
+        `block_tokens` tokens.
         """
-        if block_tokens is not None and block_tokens != self.block_tokens:
-            raise ValueError(
-                f"request hashed with {block_tokens}-token blocks, engine uses {self.block_tokens}"
-            )
         if req_id in self._reqs:
             raise ValueError(f"duplicate request id {req_id!r}")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -669,7 +307,6 @@ class EngineModel:
         req.pinned = matched
         req.reserved = need
         req.state = "prefill"
-        req.admitted = t
         self._c.queue_time.observe(t - req.arrival)
         self._prefilling.append(req)
         self._pending_prefill -= req.cached_tokens

@@ -1,0 +1,115 @@
+"""The simulated replica in-process: `SimApp.handle` without sockets, and the same over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+
+from backends.sim.app import SimApp
+from backends.sim.replica import SimReplicaSpec
+from backends.sim.server import start_sims
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 3}
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimApp]:
+    app = SimApp.from_spec(SimReplicaSpec(name="mem", kind="vllm", time_scale=0.01))
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+async def _post(sim: SimApp, path: str, body: object) -> tuple[int, dict[str, str], bytes]:
+    resp = await sim.handle("POST", path, {}, orjson.dumps(body))
+    data = b"".join([chunk async for chunk in resp.chunks()])
+    return resp.status, resp.headers, data
+
+
+async def _state(sim: SimApp) -> dict:
+    resp = await sim.handle("GET", "/sim/state", {}, b"")
+    return orjson.loads(resp.body)
+
+
+async def test_whole_reply_in_process(sim: SimApp) -> None:
+    status, headers, body = await _post(sim, "/v1/chat/completions", CHAT)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    reply = orjson.loads(body)
+    assert reply["object"] == "chat.completion"
+    assert reply["usage"]["completion_tokens"] == 3
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stream_in_process_is_sse_chunk_by_chunk(sim: SimApp) -> None:
+    resp = await sim.handle(
+        "POST",
+        "/v1/completions",
+        {},
+        orjson.dumps({"prompt": "x" * 400, "max_tokens": 4, "stream": True}),
+    )
+    assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
+    assert resp.stream is not None and resp.body == b""
+    chunks = [chunk async for chunk in resp.chunks()]
+    events = [e for chunk in chunks for e in chunk.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    texts = [orjson.loads(e[len(b"data: ") :])["choices"][0]["text"] for e in events[:-1]]
+    assert len(texts) == 4
+    state = await _state(sim)
+    assert state["request_success"] == 1 and state["running"] == 0
+
+
+async def test_closing_an_unread_stream_aborts_the_request(sim: SimApp) -> None:
+    body = {**CHAT, "max_tokens": 100_000, "stream": True}
+    resp = await sim.handle("POST", "/v1/chat/completions", {}, orjson.dumps(body))
+    queued = await _state(sim)
+    assert queued["running"] + queued["waiting"] == 1
+    assert resp.stream is not None
+    await resp.stream.aclose()
+    state = await _state(sim)
+    assert state["request_aborted"] == 1 and state["running"] == 0 and state["used_blocks"] == 0
+
+
+async def test_routes_faults_and_errors_in_process(sim: SimApp) -> None:
+    assert (await sim.handle("GET", "/nowhere", {}, b"")).status == 404
+    wrong = await sim.handle("GET", "/v1/completions", {}, b"")
+    assert wrong.status == 405 and wrong.headers["Allow"] == "POST"
+    status, _, body = await _post(sim, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and orjson.loads(body)["error"]["type"] == "NotFoundError"
+    assert (await _post(sim, "/sim/fail", {}))[0] == 200
+    assert (await sim.handle("GET", "/health", {}, b"")).status == 503
+    assert (await _post(sim, "/v1/chat/completions", CHAT))[0] == 503
+    await _post(sim, "/sim/recover", {})
+    assert (await sim.handle("GET", "/health", {}, b"")).status == 200
+    assert (await _post(sim, "/sim/drop_reused", {"count": 2}))[0] == 200
+    assert (await _state(sim))["drop_reused"] == 2
+    state = await sim.handle("GET", "/sim/state?hashes=1", {}, b"")
+    assert "block_hashes" in orjson.loads(state.body)
+
+
+async def test_socket_server_sends_what_handle_returns() -> None:
+    """The aiohttp server is a front for `SimApp.handle`: same status, type and body."""
+    spec = SimReplicaSpec(name="wire", kind="trtllm", time_scale=0.01)
+    local = SimApp.from_spec(spec)
+    cluster = await start_sims([spec])
+    calls = [
+        ("GET", "/version", b""),
+        ("GET", "/health", b""),
+        ("POST", "/v1/completions", b"{oops"),
+        ("POST", "/v1/completions", orjson.dumps({"prompt": "x", "n": 2})),
+        ("POST", "/tokenize", b"{}"),
+        ("POST", "/health", b""),
+    ]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for method, path, body in calls:
+                here = await local.handle(method, path, {}, body)
+                async with http.request(method, cluster.urls[0] + path, data=body) as resp:
+                    wire = (resp.status, resp.headers.get("Content-Type"), await resp.read())
+                assert wire == (here.status, here.headers.get("Content-Type"), here.body), path
+    finally:
+        local.close()
+        await cluster.stop()
