@@ -1,4 +1,6 @@
-"""The gateway over HTTP with the official openai client, in front of simulated replicas."""
+"""End to end over real sockets: the gateway process, simulated replica processes, the
+official openai client and the stats CLI. Behaviour in detail is tested in-process
+(tests/test_gateway.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,7 @@ from collections import defaultdict
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from tests.conftest import poll
 
 
 def tenant_prompt(i: int, chars: int = 2000) -> str:
@@ -57,65 +56,6 @@ def test_shared_prefixes_stay_home_and_spread_over_replicas(fleet) -> None:
     assert len(used) >= 2
 
 
-def test_batch_class_is_served_only_by_batch_replicas(fleet) -> None:
-    gw, _ = fleet
-    by_header = client(gw.url, default_headers={"x-traffic-class": "batch"})
-    by_key = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-batch-key", max_retries=0)
-    seen = set()
-    for i in range(6):
-        for c in (by_header, by_key):
-            raw = c.completions.with_raw_response.create(
-                model="tiny", prompt=tenant_prompt(50 + i % 2) + f" job {i}", max_tokens=3,
-                stream=bool(i % 2))
-            if i % 2:
-                assert list(raw.parse())
-            assert raw.headers["x-gateway-pool"] == "batch"
-            seen.add(raw.headers["x-gateway-replica"])
-    # service_tier=flex maps to batch in this config.
-    raw = client(gw.url).chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], service_tier="flex",
-        max_tokens=2)
-    seen.add(raw.headers["x-gateway-replica"])
-    assert seen and seen <= {"bt-0", "bt-1"}
-
-
-def test_metrics_have_ttft_for_both_pools_and_estimated_hits(fleet) -> None:
-    gw, _ = fleet
-    c = client(gw.url)
-    system = tenant_prompt(99)
-    for u in range(3):
-        c.chat.completions.create(model="tiny", max_tokens=3, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": str(u)}])
-    client(gw.url, default_headers={"x-traffic-class": "batch"}).completions.create(
-        model="tiny", prompt=system, max_tokens=3)
-    samples = metric_samples(gw.url)
-    ttft_pools = {s.labels["pool"] for s in samples
-                  if s.name == "gateway_time_to_first_token_seconds_count" and s.value > 0}
-    assert ttft_pools == {"realtime", "batch"}
-    hits = sum(s.value for s in samples
-               if s.name == "gateway_prefix_blocks_total" and s.labels["result"] == "hit")
-    assert hits > 0
-    tpot = [s for s in samples if s.name == "gateway_time_per_output_token_seconds_count"]
-    assert sum(s.value for s in tpot) > 0
-    reasons = {s.labels["reason"] for s in samples
-               if s.name == "gateway_routing_decisions_total" and s.value > 0}
-    assert "affinity" in reasons
-    # The simulated engines count one token per 4 bytes; the pools learn that.
-    cpt = {s.labels["pool"]: s.value for s in samples if s.name == "gateway_chars_per_token"}
-    assert set(cpt) == {"realtime", "batch"} and 3.5 < cpt["realtime"] < 4.5
-    up = {s.labels["replica"]: s.value for s in samples if s.name == "gateway_replica_up"}
-    assert up == {"rt-0": 1, "rt-1": 1, "rt-2": 1, "bt-0": 1, "bt-1": 1}
-    # The engines' own hit ratio, read from their metrics (vLLM names and trtllm JSON stats).
-    engine = poll(lambda: {s.labels["replica"] for s in metric_samples(gw.url)
-                           if s.name == "gateway_engine_prefix_cache_hit_ratio"
-                           and s.value > 0} or None)
-    assert engine & {"rt-0", "rt-1", "rt-2"}
-    # Engine step times, from the gaps between the chunks the replicas streamed.
-    stepped = poll(lambda: {s.labels["replica"] for s in metric_samples(gw.url)
-                            if s.name == "gateway_engine_step_seconds" and s.value > 0} or None)
-    assert stepped & {"rt-0", "rt-1", "rt-2"}
-
-
 def test_admin_stats_and_cli_show_counts(fleet) -> None:
     gw, _ = fleet
     c = client(gw.url)
@@ -142,54 +82,10 @@ def test_admin_stats_and_cli_show_counts(fleet) -> None:
     assert rt["prefill_rate_learned"] is True
     assert out.count("(learned)") == 2
     total = sum(r["requests"] for r in rt["replicas"])
-    # The table's request column agrees with the JSON (at least as many, as time moved on).
+    # The table's request column agrees with the JSON (nothing else runs meanwhile).
     table_total = sum(int(line.split()[3]) for line in out.splitlines()
                       if line.strip().startswith("rt-"))
-    assert table_total >= total
-
-
-@pytest.mark.parametrize(("path", "body", "status", "code"), [
-    ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
-    ("/v1/chat/completions", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
-     404, "model_not_found"),
-    ("/v1/chat/completions", b'{"model": "tiny"}', 400, "missing_required_parameter"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_value"),
-    ("/v1/completions", b'{"model": "tiny"}', 400, "missing_required_parameter"),
-    ("/v1/completions", b'[1, 2]', 400, None),
-    ("/v1/completions", b'{"prompt": "x"}', 400, "missing_required_parameter"),
-])
-def test_bad_requests_get_openai_errors(fleet, http, path, body, status, code) -> None:
-    gw, _ = fleet
-    r = http.post(gw.url + path, content=body, headers={"content-type": "application/json"})
-    assert r.status_code == status
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["message"]
-    assert err["code"] == code
-
-
-def test_openai_client_sees_typed_errors(fleet) -> None:
-    gw, _ = fleet
-    c = client(gw.url)
-    with pytest.raises(openai.NotFoundError):
-        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="tiny", messages=[])
-    with pytest.raises(openai.BadRequestError, match="Unknown traffic class"):
-        client(gw.url, default_headers={"x-traffic-class": "bulk"}).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}])
-
-
-def test_replica_errors_pass_through(fleet, http) -> None:
-    gw, sims = fleet
-    # A request the engine itself rejects (its 4xx) reaches the client as the engine sent it.
-    r = http.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "x",
-                                                   "max_tokens": -5})
-    direct = http.post(sims.urls[0] + "/v1/completions", json={"model": "tiny", "prompt": "x",
-                                                              "max_tokens": -5})
-    assert direct.status_code == 400
-    assert r.status_code == direct.status_code
-    assert r.json()["error"]["message"] == direct.json()["error"]["message"]
+    assert table_total == total
 
 
 def test_models_health_and_ready(fleet, http) -> None:
@@ -203,24 +99,6 @@ def test_models_health_and_ready(fleet, http) -> None:
     assert page.status_code == 200 and "/admin/stats" in page.text
     missing = http.get(gw.url + "/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
-
-
-WEIRD_BODIES = [
-    b"", b"null", b'""', b"[]", b"\xff\xfe\x00", b"{" * 2000, b'{"model": 5, "messages": []}',
-    b'{"model": "tiny", "messages": "hi"}', b'{"model": "tiny", "messages": [1]}',
-    b'{"model": "tiny", "messages": [{"content": "no role"}]}',
-    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
-    b'{"model": "", "messages": [{"role": "user", "content": "x"}]}',
-]
-
-
-@pytest.mark.parametrize("body", WEIRD_BODIES)
-def test_malformed_bodies_never_get_a_5xx(fleet, http, body) -> None:
-    gw, _ = fleet
-    for path in ("/v1/chat/completions", "/v1/completions"):
-        r = http.post(gw.url + path, content=body, headers={"content-type": "application/json"})
-        assert 400 <= r.status_code < 500, (path, body[:40], r.status_code, r.text[:200])
-        assert r.json()["error"]["message"]
 
 
 def test_wrong_method_and_oversized_body(fleet, http) -> None:
