@@ -18,17 +18,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 from locust import HttpUser, between, events, task
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # locust imports this file by path
-    sys.path.insert(0, str(ROOT))
-
-from loadtests.traces import CHARS_PER_TOKEN, block_text  # noqa: E402
+# Locust puts the working directory on sys.path: run it from the repository root.
+from loadtests.traces import CHARS_PER_TOKEN, block_text
 
 
 def _env(name: str, default: float) -> float:
