@@ -23,6 +23,7 @@ import time
 from locust import HttpUser, between, events, task
 
 # Locust puts the working directory on sys.path: run it from the repository root.
+from loadtests.sse import data_events_sync
 from loadtests.traces import CHARS_PER_TOKEN, block_text
 
 
@@ -105,12 +106,7 @@ class RealtimeChatUser(HttpUser):
                 self.messages.pop()
                 return
             try:
-                for line in resp.iter_lines():
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
+                for data in data_events_sync(resp.iter_lines()):
                     chunk = json.loads(data)
                     for choice in chunk.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content")

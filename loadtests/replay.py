@@ -32,6 +32,7 @@ from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import HITS, QUERIES, RUNNING, SUCCESS, WAITING, scrape_all
 from loadtests.report import emit_json, markdown_table
 from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.sse import data_events
 from loadtests.stats import max_over_mean, percentile
 from loadtests.traces import (
     BLOCK_TOKENS,
@@ -109,12 +110,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                 text = (await resp.text())[:200]
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {text}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            async for data in data_events(resp.content):
                 if b'"completion_tokens"' in data:
                     with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
                         usage = orjson.loads(data).get("usage") or {}

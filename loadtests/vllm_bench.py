@@ -52,6 +52,7 @@ from loadtests.metrics import (
 from loadtests.metrics import GATEWAY_TTFT as GW_TTFT
 from loadtests.report import cell, markdown_table, median_range
 from loadtests.settings import key_value
+from loadtests.sse import data_events
 from loadtests.stats import median, percentile
 from loadtests.traces import _WORDS
 
@@ -206,12 +207,7 @@ async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: in
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            async for line in r.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            async for data in data_events(r.content):
                 chunk = orjson.loads(data)
                 usage = chunk.get("usage")
                 if usage:

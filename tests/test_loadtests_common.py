@@ -13,6 +13,7 @@ import pytest
 from loadtests.caches import reset_prefix_caches
 from loadtests.metrics import HITS, QUERIES, WAITING, parse_sums
 from loadtests.report import cell, markdown_table, median_range, text_table
+from loadtests.sse import data_events_sync
 from loadtests.stats import max_over_mean, median, nearest_rank, percentile
 
 
@@ -121,3 +122,9 @@ def test_reset_names_the_replica_that_never_succeeds(replica: _ScriptedReplica) 
     replica.script = [NO]
     with pytest.raises(RuntimeError, match=f"{replica.url}: /reset_prefix_cache"):
         reset_prefix_caches([replica.url], deadline_s=0.2, poll_s=0.01)
+
+
+def test_sse_yields_each_events_data_until_done() -> None:
+    lines = [b": keep-alive\n", b"data: {\"a\": 1}\n", b"\n", b"event: x\n", b"data:{}\n",
+             b"data: [DONE]\n", b"data: after\n"]
+    assert list(data_events_sync(lines)) == [b'{"a": 1}', b"{}"]
