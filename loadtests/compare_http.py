@@ -3,73 +3,39 @@
 Starts the simulated replicas once; then for each router (the gateway with round_robin,
 least_load, prefix_affinity, and the real SGLang router 0.3.2 with cache_aware at its default
 flags) it waits until the replicas are idle, resets their prefix caches, starts the router,
-replays the same requests through it with loadtests/replay.py, stops it, and finally prints a
+replays the same requests through it with loadtests.replay, stops it, and finally prints a
 markdown table. Every figure comes from the client and the replicas' own /metrics.
 
-    python loadtests/compare_http.py --trace ../shared/traces/synthetic_trace.jsonl \
+    python -m loadtests.compare_http --trace data/traces/synthetic_trace.jsonl \
         --replicas 8 --limit 1000 --speedup 10
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: `python loadtests/compare_http.py`
-    sys.path.insert(0, str(ROOT))
-
-from gateway import processes  # noqa: E402
-from loadtests import replay as rp  # noqa: E402
-from loadtests.settings import add_workload_param  # noqa: E402
-from loadtests.traces import load_requests  # noqa: E402
+from loadtests import replay as rp
+from loadtests.caches import reset_prefix_caches
+from loadtests.fleet import Fleet, run_async, sigterm_as_interrupt
+from loadtests.metrics import wait_idle
+from loadtests.report import cell, emit_json, markdown_table
+from loadtests.settings import add_workload_param
+from loadtests.traces import TraceRequest, load_requests
 
 SGLANG = "sglang_cache_aware"
 DEFAULT_ROUTERS = ("round_robin", "least_load", "prefix_affinity", SGLANG)
 
 
-def _post(url: str, timeout: float = 10.0) -> None:
-    req = urllib.request.Request(url, data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        r.read()
-
-
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def wait_idle(replica_urls: Sequence[str], deadline_s: float = 300.0) -> None:
-    """Wait until no replica runs or queues a request (the previous router's tail is done)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        busy = 0.0
-        for u in replica_urls:
-            m = rp.parse_metrics(_get(u.rstrip("/") + "/metrics"))
-            busy += m[rp.RUNNING] + m[rp.WAITING]
-        if busy == 0:
-            return
-        if time.monotonic() > end:
-            raise RuntimeError(f"replicas still busy ({busy:.0f} requests) after {deadline_s}s")
-        time.sleep(0.5)
-
-
-def reset_caches(replica_urls: Sequence[str]) -> None:
-    for u in replica_urls:
-        _post(u.rstrip("/") + "/reset_prefix_cache")
-
-
-def run_one(router: str, fleet: rp.Fleet, replica_urls: list[str],
-            requests: Sequence[rp.TraceRequest], opts: rp.ReplayOptions) -> dict[str, Any]:
+def run_one(router: str, fleet: Fleet, replica_urls: list[str],
+            requests: Sequence[TraceRequest], opts: rp.ReplayOptions) -> dict[str, Any]:
     """Start `router` in front of the replicas, replay, stop it; the replay's result."""
     wait_idle(replica_urls)
-    reset_caches(replica_urls)
+    reset_prefix_caches(replica_urls)
     opts.label = router
     if router == SGLANG:
         from loadtests.baselines.sglang_router import free_port, start_sglang_router
@@ -78,38 +44,38 @@ def run_one(router: str, fleet: rp.Fleet, replica_urls: list[str],
                                      log_path=fleet.log_dir / "sglang-router.log",
                                      startup_timeout=120)
         try:
-            data = rp.run_async(rp.replay(handle.url, replica_urls, requests, opts))
+            data = run_async(rp.replay(handle.url, replica_urls, requests, opts))
         finally:
             handle.stop()
     else:
         url, proc = rp.start_gateway(fleet, replica_urls, router, name=f"gateway-{router}")
         try:
-            data = rp.run_async(rp.replay(url, replica_urls, requests, opts))
+            data = run_async(rp.replay(url, replica_urls, requests, opts))
         finally:
-            processes.stop_all([proc])
-            fleet.procs.remove(proc)
+            fleet.stop_process(proc)
     return rp.summarize(data, requests, router)
 
 
-def _f(v: Any, digits: int = 3) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
+def _f(v: float | None, digits: int = 3) -> str:
+    return cell(v, f"{{:.{digits}f}}")
 
 
-def markdown_table(results: Sequence[dict[str, Any]]) -> str:
-    head = ("| router | requests | errors | TTFT mean s | TTFT p50 s | TTFT p90 s | TTFT p99 s "
-            "| TPOT p50 s | hit ratio | ideal | hit/ideal | imbalance | prefill imb. "
-            "| peak in-flight imb. | duration s |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+def results_table(results: Sequence[dict[str, Any]]) -> str:
+    """One markdown row per router."""
+    header = ["router", "requests", "errors", "TTFT mean s", "TTFT p50 s", "TTFT p90 s",
+              "TTFT p99 s", "TPOT p50 s", "hit ratio", "ideal", "hit/ideal", "imbalance",
+              "prefill imb.", "peak in-flight imb.", "duration s"]
+    rows = []
     for r in results:
         hit, ideal = r.get("hit_ratio"), r.get("ideal_hit_ratio")
         rel = hit / ideal if hit is not None and ideal else None
-        lines.append(
-            f"| {r['policy']} | {r['requests']} | {r['errors']} | {_f(r['ttft_mean_s'])} "
-            f"| {_f(r['ttft_p50_s'])} | {_f(r['ttft_p90_s'])} | {_f(r['ttft_p99_s'])} "
-            f"| {_f(r['tpot_p50_s'], 4)} | {_f(hit)} | {_f(ideal)} | {_f(rel, 2)} "
-            f"| {_f(r['imbalance'], 2)} | {_f(r['prefill_imbalance'], 2)} "
-            f"| {_f(r['peak_inflight_imbalance'], 2)} | {_f(r['duration_s'], 1)} |")
-    return "\n".join(lines) + "\n"
+        rows.append([
+            r["policy"], str(r["requests"]), str(r["errors"]), _f(r["ttft_mean_s"]),
+            _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), _f(r["ttft_p99_s"]),
+            _f(r["tpot_p50_s"], 4), _f(hit), _f(ideal), _f(rel, 2), _f(r["imbalance"], 2),
+            _f(r["prefill_imbalance"], 2), _f(r["peak_inflight_imbalance"], 2),
+            _f(r["duration_s"], 1)])
+    return markdown_table(header, rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
                                 dict(args.workload_param), from_zero=True)
     source = args.workload or Path(str(args.trace).rstrip("/")).name
-    fleet = rp.Fleet()
+    fleet = Fleet()
     results: list[dict[str, Any]] = []
     try:
-        with rp.sigterm_as_interrupt():
-            urls = rp.start_sims(fleet, args.replicas, args.kv_capacity_tokens, args.profile,
-                                 args.time_scale)
+        with sigterm_as_interrupt():
+            urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
+                                    args.time_scale)
             rp.log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
@@ -163,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 rp.log(f"{router}: done in {time.monotonic() - t:.0f} s; TTFT p50 "
                        f"{_f(res['ttft_p50_s'])} s, hit {_f(res['hit_ratio'])}")
                 results.append(res)
-                if args.output:
-                    with open(args.output, "a") as f:
-                        f.write(json.dumps(res) + "\n")
+                emit_json(res, False, args.output)
     except KeyboardInterrupt:
         rp.log("interrupted; stopping")
         return 130
@@ -175,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{source}: {len(requests)} requests, speedup {args.speedup}, {args.replicas} "
           f"replicas ({args.profile}, time scale {args.time_scale}, "
           f"{args.kv_capacity_tokens} KV tokens each)\n")
-    print(markdown_table(ok), end="")
+    print(results_table(ok), end="")
     for r in results:
         if "failed" in r:
             print(f"\n{r['policy']}: failed: {r['failed']}")

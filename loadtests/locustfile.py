@@ -18,17 +18,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 from locust import HttpUser, between, events, task
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # locust imports this file by path
-    sys.path.insert(0, str(ROOT))
-
-from loadtests.traces import CHARS_PER_TOKEN, block_text  # noqa: E402
+# Locust puts the working directory on sys.path: run it from the repository root.
+from loadtests.sse import data_events_sync
+from loadtests.traces import CHARS_PER_TOKEN, block_text
 
 
 def _env(name: str, default: float) -> float:
@@ -110,12 +106,7 @@ class RealtimeChatUser(HttpUser):
                 self.messages.pop()
                 return
             try:
-                for line in resp.iter_lines():
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
+                for data in data_events_sync(resp.iter_lines()):
                     chunk = json.loads(data)
                     for choice in chunk.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content")

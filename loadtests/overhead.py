@@ -1,4 +1,12 @@
-"""The gateway's own added latency and CPU cost: direct-to-stub vs through-the-gateway."""
+"""The gateway's own added latency and CPU cost: direct-to-stub vs through-the-gateway.
+
+Stub replicas answer instantly, so what the gateway adds is all that is measured. Each
+measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
+the stubs share one CPU core, the load generator has another.
+
+    python -m loadtests.overhead        # the full run: about 3 minutes of measurement
+    python -m loadtests.overhead --duration 1 --reps 1 --rates 200   # a quick check
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,8 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,11 +25,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from gateway import processes  # noqa: E402
-from gateway.defaults import one_pool_config  # noqa: E402
+from loadtests.fleet import REPO, Fleet, use_uvloop
+from loadtests.report import span
+from loadtests.stats import median, nearest_rank
 
 SERVER_CORE = 0  # gateway (or proxy) and the stubs share this core
 CLIENT_CORE = 1  # the load generator runs alone on this one
@@ -37,69 +41,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def pinned(cmd: list[str], core: int) -> list[str]:
-    return ["taskset", "-c", str(core), *cmd] if _has_taskset() else cmd
-
-
-def _has_taskset() -> bool:
-    return subprocess.call(["sh", "-c", "command -v taskset"], stdout=subprocess.DEVNULL) == 0
-
-
 def pin_self(core: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {core})
 
 
-def start_stubs(count: int, log_dir: Path) -> tuple[subprocess.Popen, list[str]]:
-    """One stub process serving `count` replicas on consecutive ports."""
-    base = processes.free_ports(1)[0]
-    # Make sure the whole range is free (free_ports gives one; probe the rest by binding).
-    while True:
-        ports = list(range(base, base + count))
-        try:
-            _check_free(ports)
-            break
-        except OSError:
-            base = processes.free_ports(1)[0]
-    proc = processes.spawn(pinned([sys.executable, str(ROOT / "loadtests" / "stub_replica.py"),
-                                   "--port", str(base), "--count", str(count)], SERVER_CORE),
-                           str(log_dir / "stub.log"))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    processes.wait_healthy(urls, [proc], deadline_s=20)
-    return proc, urls
-
-
-def _check_free(ports: list[int]) -> None:
-    import socket
-
-    socks = []
-    try:
-        for p in ports:
-            s = socket.socket()
-            s.bind(("127.0.0.1", p))
-            socks.append(s)
-    finally:
-        for s in socks:
-            s.close()
-
-
-def gateway_config(urls: list[str], port: int, policy: str = "prefix_affinity",
-                   internal_stream: bool = True) -> dict:
-    return one_pool_config(urls, port, pool="main", replica_prefix="stub",
-                           routing={"policy": policy},
-                           server={"non_streaming_ttft": internal_stream})
-
-
-def start_gateway(urls: list[str], log_dir: Path, name: str = "gateway",
-                  internal_stream: bool = True,
-                  root: Path = ROOT) -> tuple[subprocess.Popen, str]:
-    """A gateway process on a generated config; `root` picks the checkout it runs from."""
-    port = processes.free_ports(1)[0]
-    # -P: import the gateway from `root` (PYTHONPATH), not from the current directory.
-    url, proc, _ = processes.start_gateway(
-        gateway_config(urls, port, internal_stream=internal_stream), log_dir, name,
-        deadline_s=30, env={"PYTHONPATH": str(root)}, python_flags=("-P",),
-        wrap=lambda cmd: pinned(cmd, SERVER_CORE))
+def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
+                  internal_stream: bool = True, root: Path = REPO,
+                  policy: str = "prefix_affinity") -> tuple[subprocess.Popen, str]:
+    """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
+    from."""
+    url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
+                                    pool="main", replica_prefix="stub",
+                                    routing={"policy": policy},
+                                    server={"non_streaming_ttft": internal_stream})
     return proc, url
 
 
@@ -132,10 +87,7 @@ class Run:
         return self.ok / self.wall if self.wall else 0.0
 
     def pct(self, q: float, ttft: bool = False) -> float:
-        xs = sorted(self.ttfts if ttft else self.latencies)
-        if not xs:
-            return float("nan")
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+        return nearest_rank(self.ttfts if ttft else self.latencies, q)
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
@@ -219,29 +171,13 @@ async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: fl
         return run
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def spread(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    fmt = ".0f" if max(abs(x) for x in xs) >= 100 else ".3f"
-    return f"{min(xs):{fmt}}..{max(xs):{fmt}}"
-
-
 @contextlib.contextmanager
 def fleet(count: int, internal_stream: bool = True) -> Iterator[dict]:
-    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
-        log_dir = Path(tmp)
-        stub, urls = start_stubs(count, log_dir)
-        procs = [stub]
-        try:
-            gw, gw_url = start_gateway(urls, log_dir, internal_stream=internal_stream)
-            procs.append(gw)
-            yield {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
-        finally:
-            processes.stop_all(procs)
+    """Stubs and a gateway in front of them, all on the server core; stopped on exit."""
+    with Fleet() as f:
+        stub, urls = f.start_stubs(count, core=SERVER_CORE)
+        gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream)
+        yield {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
 
 
 def interleave(reps: int, variants: list[str], fn: Callable[[str, int], None]) -> None:
@@ -316,13 +252,13 @@ def summarise(res: dict) -> dict:
     for mode, by in res["closed"].items():
         d, g = by["direct"], by["gateway"]
         out["closed"][mode] = {
-            "direct_rps": med([x["rps"] for x in d]),
-            "direct_rps_spread": spread([x["rps"] for x in d]),
-            "gateway_rps": med([x["rps"] for x in g]),
-            "gateway_rps_spread": spread([x["rps"] for x in g]),
-            "gateway_cpu_ms_per_req": med([x["gateway_cpu_ms_per_req"] for x in g]),
-            "gateway_cpu_ms_spread": spread([x["gateway_cpu_ms_per_req"] for x in g]),
-            "stub_cpu_ms_per_req_direct": med([x["cpu_ms_per_req"] for x in d]),
+            "direct_rps": median([x["rps"] for x in d]),
+            "direct_rps_spread": span([x["rps"] for x in d]),
+            "gateway_rps": median([x["rps"] for x in g]),
+            "gateway_rps_spread": span([x["rps"] for x in g]),
+            "gateway_cpu_ms_per_req": median([x["gateway_cpu_ms_per_req"] for x in g]),
+            "gateway_cpu_ms_spread": span([x["gateway_cpu_ms_per_req"] for x in g]),
+            "stub_cpu_ms_per_req_direct": median([x["cpu_ms_per_req"] for x in d]),
             "errors": sum(x["errors"] for x in d + g),
         }
     for key, by in res["open"].items():
@@ -331,11 +267,11 @@ def summarise(res: dict) -> dict:
         for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
             if d[0][metric] is None:
                 continue
-            dm, gm = med([x[metric] for x in d]), med([x[metric] for x in g])
+            dm, gm = median([x[metric] for x in d]), median([x[metric] for x in g])
             added = [gx[metric] - dx[metric] for dx, gx in zip(d, g, strict=False)]
-            row[metric] = {"direct": dm, "gateway": gm, "added": med(added),
-                           "added_spread": spread(added)}
-        row["gateway_cpu_ms_per_req"] = med([x["gateway_cpu_ms_per_req"] for x in g])
+            row[metric] = {"direct": dm, "gateway": gm, "added": median(added),
+                           "added_spread": span(added)}
+        row["gateway_cpu_ms_per_req"] = median([x["gateway_cpu_ms_per_req"] for x in g])
         row["errors"] = sum(x["errors"] for x in d + g)
         out["open"][key] = row
     return out
@@ -366,7 +302,8 @@ def print_table(s: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
@@ -376,13 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="gateway config non_streaming_ttft: false (plain non-stream forward)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.duration <= 0:
+        ap.error("--reps must be at least 1 and --duration positive")
     pin_self(CLIENT_CORE)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    use_uvloop()
     res = measure(args)
     s = summarise(res)
     if args.json:

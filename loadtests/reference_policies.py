@@ -7,8 +7,8 @@ drives the gateway's own. They live in loadtests/ because they are yardsticks, n
   where its own estimated TTFT is lowest (greedy: it does not weigh what the request does to
   later ones).
 - `SGLangCacheAware` emulates the SGLang router's published `cache_aware` algorithm with its CLI
-  defaults (ANCHORS.md 2.1). It is an emulation: the real router is measured over HTTP by
-  loadtests/replay.py.
+  defaults. It is an emulation: the real router is measured over HTTP by
+  `python -m loadtests.compare_http`.
 """
 
 from __future__ import annotations

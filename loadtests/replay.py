@@ -7,7 +7,7 @@ of the same replicas. Prompts come from loadtests.traces.prompt_text; arrivals f
 timestamps divided by --speedup (open loop). The report's cache and balance figures come from the
 replicas' own Prometheus /metrics, never from the router, so they mean the same for every router.
 
-    python loadtests/replay.py --trace ../shared/traces/synthetic_trace.jsonl \
+    python -m loadtests.replay --trace data/traces/synthetic_trace.jsonl \
         --replicas 8 --limit 1000 --speedup 10 --json
 """
 
@@ -16,32 +16,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import math
 import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: `python loadtests/replay.py`
-    sys.path.insert(0, str(ROOT))
-
-from gateway import processes  # noqa: E402
-from gateway.config import RoutingSettings  # noqa: E402
-from gateway.defaults import one_pool_config  # noqa: E402
-from loadtests.settings import add_routing_settings, add_workload_param  # noqa: E402
-from loadtests.traces import (  # noqa: E402
+from gateway.config import RoutingSettings
+from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
+from loadtests.metrics import HITS, QUERIES, RUNNING, SUCCESS, WAITING, scrape_all
+from loadtests.report import emit_json, markdown_table
+from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.sse import data_events
+from loadtests.stats import max_over_mean, percentile
+from loadtests.traces import (
     BLOCK_TOKENS,
     SYNTHETIC,
     TraceRequest,
@@ -50,7 +43,6 @@ from loadtests.traces import (  # noqa: E402
     prompt_text,
 )
 
-MODEL = "tiny"
 # 1,000 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
 # about 30k distinct blocks, so 8 replicas (8k blocks) cannot hold them and caches evict.
 DEFAULT_KV_CAPACITY_TOKENS = 512_000
@@ -63,59 +55,11 @@ REQUIRED_KEYS = (
     "peak_inflight_imbalance", "policy",
 )  # fmt: skip
 
-HITS = "vllm:prefix_cache_hits_total"
-QUERIES = "vllm:prefix_cache_queries_total"
-SUCCESS = "vllm:request_success_total"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
 _WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
 
 
 def log(msg: str) -> None:
     print(f"replay: {msg}", file=sys.stderr, flush=True)
-
-
-# -- replica metrics -------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum of every series of each wanted family (one replica may label several engines)."""
-    out = dict.fromkeys(_WANTED, 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name_end = len(line)
-        for sep in ("{", " "):
-            i = line.find(sep)
-            if 0 <= i < name_end:
-                name_end = i
-        name = line[:name_end]
-        if name in out:
-            with contextlib.suppress(ValueError):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
-async def read_metrics(session: aiohttp.ClientSession, urls: Sequence[str],
-                       timeout_s: float = 5.0) -> list[dict[str, float] | None]:
-    async def one(url: str) -> dict[str, float] | None:
-        try:
-            async with session.get(url.rstrip("/") + "/metrics",
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    return None
-                return parse_metrics(await r.text())
-        except (TimeoutError, aiohttp.ClientError):
-            return None
-
-    return list(await asyncio.gather(*(one(u) for u in urls)))
-
-
-def _imbalance(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean > 0 else None
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -166,12 +110,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                 text = (await resp.text())[:200]
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {text}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            async for data in data_events(resp.content):
                 if b'"completion_tokens"' in data:
                     with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
                         usage = orjson.loads(data).get("usage") or {}
@@ -206,7 +145,7 @@ async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: as
                    out: list[float]) -> None:
     """Every ~0.5 s: max over mean of the replicas' running + waiting (if the mean is >= 1)."""
     while not stop.is_set():
-        snap = await read_metrics(session, urls, timeout_s=2.0)
+        snap = await scrape_all(session, urls, _WANTED, timeout_s=2.0)
         loads = [m[RUNNING] + m[WAITING] for m in snap if m is not None]
         if loads and len(loads) == len(urls):
             mean = sum(loads) / len(loads)
@@ -236,7 +175,7 @@ async def replay(url: str, replica_urls: Sequence[str], requests: Sequence[Trace
     data = RunData()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
             aiohttp.ClientSession() as metrics_session:
-        data.before = await read_metrics(metrics_session, replica_urls)
+        data.before = await scrape_all(metrics_session, replica_urls, _WANTED)
         stop = asyncio.Event()
         sampler = asyncio.create_task(
             _sampler(metrics_session, replica_urls, stop, data.inflight_ratios))
@@ -263,20 +202,11 @@ async def replay(url: str, replica_urls: Sequence[str], requests: Sequence[Trace
         await sampler
         # Engines update their counters when a request finishes; give them a moment.
         await asyncio.sleep(0.3)
-        data.after = await read_metrics(metrics_session, replica_urls)
+        data.after = await scrape_all(metrics_session, replica_urls, _WANTED)
     return data
 
 
 # -- report ----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> dict[str, Any]:
@@ -310,8 +240,8 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> d
         "tpot_p50_s": percentile(tpots, 0.5),
         "hit_ratio": hit_total / queries if queries > 0 else None,
         "ideal_hit_ratio": ideal_hit_ratio(requests),
-        "imbalance": _imbalance(per_req),
-        "prefill_imbalance": _imbalance(per_prefill),
+        "imbalance": max_over_mean(per_req),
+        "prefill_imbalance": max_over_mean(per_prefill),
         "peak_inflight_imbalance": max(data.inflight_ratios) if data.inflight_ratios else None,
         "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),
         "send_lag_p99_s": percentile(lags, 0.99),
@@ -343,110 +273,27 @@ def render_table(res: dict[str, Any]) -> str:
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
         "prefill_imbalance", "peak_inflight_imbalance", "latency_p50_s", "send_lag_p99_s",
         "requests_per_replica")]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(["metric", "value"], rows)
 
 
-# -- local fleet: simulated replicas and a gateway -------------------------------------------
-
-
-def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
-    """A base port such that base .. base+n-1 are all free now (the sim needs consecutive ones)."""
-    for _ in range(200):
-        base = processes.free_ports(1, host)[0]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind((host, p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-@dataclass
-class Fleet:
-    """Processes this run started; stop() ends them (idempotent)."""
-
-    replica_urls: list[str] = field(default_factory=list)
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="replay-")))
-
-    def stop(self) -> None:
-        processes.stop_all(self.procs)
-        self.procs.clear()
-
-
-def start_sims(fleet: Fleet, n: int, kv_capacity_tokens: int, profile: str,
-               time_scale: float) -> list[str]:
-    base = consecutive_free_ports(n)
-    cmd = [sys.executable, "-m", "backends.sim", "--port", str(base), "--count", str(n),
-           "--kind", "vllm", "--model", MODEL, "--profile", profile, "--time-scale",
-           str(time_scale), "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", "sim"]
-    proc = processes.spawn(cmd, str(fleet.log_dir / "sims.log"),
-                           env={"PYTHONPATH": str(ROOT)})
-    fleet.procs.append(proc)
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
-    processes.wait_healthy(urls, [proc], deadline_s=60)
-    fleet.replica_urls = urls
-    return urls
-
-
-def gateway_config(replica_urls: Sequence[str], port: int, policy: str | None,
-                   routing: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One pool of the given replicas; the policy left out means the gateway's default."""
-    routing = {**(routing or {}), **({"policy": policy} if policy else {})}
-    # Lenient health checks: on a 2-core box running sims, gateway and client, a starved
-    # event loop made 2 s checks fail for all 32 replicas at once (a 32-replica run got 216
-    # 503s); this measures routing, not failure detection.
-    return one_pool_config(list(replica_urls), port, pool="replay", models=(MODEL,),
-                           replica_prefix="sim",
-                           routing=routing or None,
-                           health={"timeout_s": 10.0, "failure_threshold": 3})
+# -- the gateway in front of simulated replicas ------------------------------------------
 
 
 def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
-                  name: str = "gateway", routing: dict[str, Any] | None = None,
+                  routing: dict[str, Any] | None = None, name: str = "gateway",
                   ) -> tuple[str, subprocess.Popen]:
-    port = processes.free_ports(1)[0]
-    url, proc, _ = processes.start_gateway(gateway_config(replica_urls, port, policy, routing),
-                                           fleet.log_dir, name, env={"PYTHONPATH": str(ROOT)})
-    fleet.procs.append(proc)
-    return url, proc
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so the finally blocks stop the child processes."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    """A gateway with one pool of the replicas; the policy left out means the gateway's."""
+    routing = {**(routing or {}), **({"policy": policy} if policy else {})}
+    # Lenient health checks: with sims, gateway and client sharing a few cores, a starved
+    # event loop can fail 2 s checks for every replica at once (a 32-replica run got 216
+    # 503s); this measures routing, not failure detection.
+    return fleet.start_gateway(replica_urls, name, pool="replay", models=(MODEL,),
+                               replica_prefix="sim", routing=routing or None,
+                               health={"timeout_s": 10.0, "failure_threshold": 3})
 
 
 def default_policy() -> str:
     return str(RoutingSettings().policy)
-
-
-def run_async(coro: Any) -> Any:
-    try:
-        import uvloop  # the client must not be the bottleneck on 2 cores
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -487,16 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def emit(res: dict[str, Any], as_json: bool, output: str | None) -> None:
-    print(render_table(res), end="", flush=True)
-    line = json.dumps(res, sort_keys=False)
-    if output:
-        with open(output, "a") as f:
-            f.write(line + "\n")
-    if as_json:
-        print(line, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
@@ -516,10 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 if args.replica_urls:
                     raise SystemExit("replay: --replica-urls needs --url")
-                replica_urls = start_sims(fleet, args.replicas, args.kv_capacity_tokens,
-                                          args.profile, args.time_scale)
-                url, _ = start_gateway(fleet, replica_urls, args.policy,
-                                       routing=dict(args.settings))
+                replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
+                                                args.profile, args.time_scale)
+                url, _ = start_gateway(fleet, replica_urls, args.policy, dict(args.settings))
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "
@@ -535,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                            profile=args.profile, time_scale=args.time_scale)
             res.update(speedup=args.speedup, max_output=args.max_output,
                        source=args.workload or os.path.basename(str(args.trace).rstrip("/")))
-            emit(res, args.json, args.output)
+            print(render_table(res), end="", flush=True)
+            emit_json(res, args.json, args.output)
     except KeyboardInterrupt:
         log("interrupted; stopping")
         return 130

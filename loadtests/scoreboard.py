@@ -1,10 +1,10 @@
 """The simulated routing scoreboard: every workload x fleet size x load x policy, as markdown.
 
-Each table is one `loadtests/simulate.py` command (printed above it), so every figure in
-docs/routing.md comes from a committed command:
+Each table is one `python -m loadtests.simulate` command (printed above it), so every figure
+in docs/routing.md comes from a committed command:
 
-    python loadtests/scoreboard.py                 # everything (about 5 min on 2 cores)
-    python loadtests/scoreboard.py --only tenants  # scenarios whose name contains "tenants"
+    python -m loadtests.scoreboard                 # everything (about 5 min with 2 jobs)
+    python -m loadtests.scoreboard --only tenants  # scenarios whose name contains "tenants"
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import Pool
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from gateway.config import RoutingSettings
+from loadtests import traces
+from loadtests.fleet import REPO
 from loadtests.simulate import (
     ALL_POLICIES,
     DEFAULT_KV_CAPACITY_TOKENS,
@@ -31,16 +29,15 @@ from loadtests.simulate import (
     simulate,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = "../shared/traces/synthetic_trace.jsonl"
-RAGPULSE = "../shared/traces/ragpulse"
-AZURE_CODE = "../shared/traces/azure/AzureLLMInferenceTrace_code.csv"
-AZURE_CONV = "../shared/traces/azure/AzureLLMInferenceTrace_conv.csv"
+# Relative to the repository root, as in the printed commands.
+MOONCAKE, RAGPULSE, AZURE_CODE, AZURE_CONV = (
+    str(p.relative_to(REPO))
+    for p in (traces.MOONCAKE, traces.RAGPULSE, traces.AZURE_CODE, traces.AZURE_CONV))
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """One simulate.py invocation (without --policy)."""
+    """One `python -m loadtests.simulate` invocation (without --policy)."""
 
     name: str
     replicas: int
@@ -55,7 +52,7 @@ class Scenario:
         src = f"--trace {self.trace}" if self.trace else f"--workload {self.workload}"
         extra = "".join(f" --workload-param {k}={v}" for k, v in self.params)
         speed = f" --speedup {self.speedup:g}" if self.speedup != 1.0 else ""
-        return (f"python loadtests/simulate.py {src}{extra}{speed} --replicas {self.replicas}"
+        return (f"python -m loadtests.simulate {src}{extra}{speed} --replicas {self.replicas}"
                 " --policy all")
 
 
@@ -213,7 +210,7 @@ def ablation(jobs: int) -> int:
     means = {(id(job[2]), job[0]): rep["ttft_mean_s"] for job, (_, _, rep, _) in
              zip(work, out, strict=True)}
     print("prefix_affinity mean TTFT (s) with one default changed at a time; "
-          "`python loadtests/scoreboard.py --ablation`. Each cell is "
+          "`python -m loadtests.scoreboard --ablation`. Each cell is "
           "`<the scenario's command> --policy prefix_affinity --set KEY=VALUE ...`.\n")
     print("| variant | " + " | ".join(k.replace("/", " ") for k in ABLATION_SCENARIOS) + " |")
     print("|---|" + "---:|" * len(scs))
@@ -249,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     print(f"Simulated: profile {DEFAULT_PROFILE}, KV cache {DEFAULT_KV_CAPACITY_TOKENS:,} "
           f"tokens per replica, gateway RoutingSettings defaults; "
-          f"`python loadtests/scoreboard.py` ({time.perf_counter() - t0:.0f} s).\n")
+          f"`python -m loadtests.scoreboard` ({time.perf_counter() - t0:.0f} s).\n")
     print("\n".join(_summary(results)))
     for sc in chosen:
         print("\n".join(_table(sc, results[sc])))

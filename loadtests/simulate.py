@@ -11,8 +11,8 @@ own block size, so router and engine see one prompt through their own blocks.
 Events are arrivals (trace time / speedup) and engine step ends; nothing waits on a wall clock,
 so a whole trace over hundreds of replicas runs in seconds.
 
-    python loadtests/simulate.py --trace ../shared/traces/synthetic_trace.jsonl --policy all
-    python loadtests/simulate.py --workload tenants --replicas 32 --json
+    python -m loadtests.simulate --trace data/traces/synthetic_trace.jsonl --policy all
+    python -m loadtests.simulate --workload tenants --replicas 32 --json
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    # Run as a script: make the repository root importable (loadtests is not installed).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from backends.sim.engine import EngineModel
 from backends.sim.profiles import PROFILES, LatencyProfile
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
+from loadtests.report import text_table
 from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.stats import max_over_mean, percentile
 from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
@@ -56,8 +54,8 @@ REFERENCE_POLICIES = ("sglang_cache_aware", "oracle")
 ALL_POLICIES = (*GATEWAY_POLICIES, *REFERENCE_POLICIES)
 
 DEFAULT_PROFILE = "qwen-32b-h200"
-# 1,000 blocks of 512 tokens per replica: the DESIGN.md simulation's cache, about what a 32B
-# model leaves for KV on one 141 GB H200.
+# 1,000 blocks of 512 tokens per replica, about what a 32B model leaves for KV on one
+# 141 GB H200.
 DEFAULT_KV_CAPACITY_TOKENS = 512_000
 DEFAULT_ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block
 DEFAULT_MAX_OUTPUT = 1024
@@ -165,20 +163,6 @@ def make_policy(name: str, settings: RoutingSettings, engines: dict[str, EngineM
     if name == "sglang_cache_aware":
         return SGLangCacheAware(block_chars=settings.block_chars, **(overrides or {}))
     return build_policy(name, **{**settings.model_dump(), **(overrides or {})})
-
-
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def _max_over_mean(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean > 0 else 0.0
 
 
 def simulate(
@@ -303,9 +287,9 @@ def simulate(
     drain_until(math.inf)
 
     done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
-    ttfts = sorted(first_at[r] - reqs[r].timestamp_s for r in done)
-    tpots = sorted((finish_at[r] - first_at[r]) / (out_tokens[r] - 1)
-                   for r in done if out_tokens[r] > 1 and not math.isnan(finish_at[r]))
+    ttfts = [first_at[r] - reqs[r].timestamp_s for r in done]
+    tpots = [(finish_at[r] - first_at[r]) / (out_tokens[r] - 1)
+             for r in done if out_tokens[r] > 1 and not math.isnan(finish_at[r])]
     hit = sum(e.cache.hit_tokens for e in engine_list)
     query = sum(e.cache.query_tokens for e in engine_list)
     start = reqs[0].timestamp_s if reqs else 0.0
@@ -317,16 +301,16 @@ def simulate(
         "errors": n - len(done),
         "duration_s": round(end - start, 3),
         "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else 0.0,
-        "ttft_p50_s": round(_quantile(ttfts, 0.5), 4),
-        "ttft_p90_s": round(_quantile(ttfts, 0.9), 4),
-        "ttft_p99_s": round(_quantile(ttfts, 0.99), 4),
-        "tpot_p50_s": round(_quantile(tpots, 0.5), 5),
+        "ttft_p50_s": round(percentile(ttfts, 0.5, 0.0), 4),
+        "ttft_p90_s": round(percentile(ttfts, 0.9, 0.0), 4),
+        "ttft_p99_s": round(percentile(ttfts, 0.99, 0.0), 4),
+        "tpot_p50_s": round(percentile(tpots, 0.5, 0.0), 5),
         "hit_ratio": round(hit / query, 4) if query else 0.0,
         "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
         "ttft_floor_mean_s": round(bounds.floor, 4),
         "ttft_bound_mean_s": round(bounds.cobatch, 4),
-        "imbalance": round(_max_over_mean(routed), 3),
-        "prefill_imbalance": round(_max_over_mean(prefill_done), 3),
+        "imbalance": round(max_over_mean(routed, 0.0), 3),
+        "prefill_imbalance": round(max_over_mean(prefill_done, 0.0), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),
         "prefill_tokens_per_s": round(load.steps.rate),
         "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
@@ -349,12 +333,9 @@ _COLUMNS = (
 
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
-    header = [title for _, title, _ in _COLUMNS]
-    rows = [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in reports]
-    widths = [max(len(h), *(len(row[j]) for row in rows)) for j, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    """One row per report, for a terminal."""
+    return text_table([title for _, title, _ in _COLUMNS],
+                      [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in reports])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,13 @@ from typing import Any
 
 import xxhash
 
+# The public traces in the repository (data/traces/README.md: sources and licences).
+TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
+MOONCAKE = TRACES_DIR / "synthetic_trace.jsonl"
+RAGPULSE = TRACES_DIR / "ragpulse"
+AZURE_CODE = TRACES_DIR / "azure" / "AzureLLMInferenceTrace_code.csv"
+AZURE_CONV = TRACES_DIR / "azure" / "AzureLLMInferenceTrace_conv.csv"
+
 BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = 4
 BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN

@@ -9,10 +9,10 @@ concurrent users, and stops the gateway. TTFT is client-side (first chunk with c
 first chat chunk is role-only); the hit ratio is the engines' own (delta of
 vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the run). Then the same
 policies again on replicas whose cache holds every tenant (control, no pressure).
-Metrics parsing, percentiles and helpers come from loadtests/replay.py (which sends
-/v1/completions with Mooncake-block text, so it cannot replay a chat workload itself).
+It has its own client because loadtests.replay sends /v1/completions with Mooncake-block
+text, so it cannot replay a chat workload.
 
-    python loadtests/vllm_bench.py --json --output /tmp/vllm-bench.json
+    python -m loadtests.vllm_bench --json --output /tmp/vllm-bench.json
 """
 
 from __future__ import annotations
@@ -36,31 +36,26 @@ from typing import Any
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: `python loadtests/vllm_bench.py`
-    sys.path.insert(0, str(ROOT))
-
-from backends.vllm_cpu import launch  # noqa: E402
-from gateway import processes  # noqa: E402
-from gateway.defaults import one_pool_config  # noqa: E402
-from loadtests.replay import (  # noqa: E402
-    consecutive_free_ports,
-    percentile,
-    run_async,
-    sigterm_as_interrupt,
+from backends.vllm_cpu import launch
+from loadtests.caches import reset_prefix_caches
+from loadtests.fleet import MODEL, Fleet, consecutive_free_ports, run_async, sigterm_as_interrupt
+from loadtests.metrics import (
+    ENGINE_QUEUE,
+    ENGINE_TTFT,
+    HITS,
+    KV_USAGE,
+    QUERIES,
+    RUNNING,
+    WAITING,
+    scrape,
 )
-from loadtests.settings import key_value  # noqa: E402
-from loadtests.traces import _WORDS  # noqa: E402
+from loadtests.metrics import GATEWAY_TTFT as GW_TTFT
+from loadtests.report import cell, markdown_table, median_range
+from loadtests.settings import key_value
+from loadtests.sse import data_events
+from loadtests.stats import median, percentile
+from loadtests.traces import _WORDS
 
-MODEL = "tiny"
-HITS = "vllm:prefix_cache_hits_total"
-QUERIES = "vllm:prefix_cache_queries_total"
-ENGINE_TTFT = "vllm:time_to_first_token_seconds"
-ENGINE_QUEUE = "vllm:request_queue_time_seconds"
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-GW_TTFT = "gateway_time_to_first_token_seconds"
 COUNTERS = (HITS, QUERIES, f"{ENGINE_TTFT}_sum", f"{ENGINE_TTFT}_count", f"{ENGINE_QUEUE}_sum",
             f"{ENGINE_QUEUE}_count")
 GAUGES = (WAITING, RUNNING, KV_USAGE)
@@ -180,28 +175,6 @@ def kv_gib(blocks: int, block: int, bytes_per_token: int) -> float:
     return round(blocks * block * bytes_per_token * 1.05 / launch.GiB + 0.01, 3)
 
 
-# -- metrics ---------------------------------------------------------------------------------
-
-
-def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum of every series of each named sample (labels ignored) in Prometheus text."""
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        cut = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
-        name = line[:cut]
-        if name in out:
-            with contextlib.suppress(ValueError):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
-async def scrape(s: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, float]:
-    async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-        return parse_sums(await r.text(), names)
-
-
 # -- client ----------------------------------------------------------------------------------
 
 
@@ -234,12 +207,7 @@ async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: in
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            async for line in r.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            async for data in data_events(r.content):
                 chunk = orjson.loads(data)
                 usage = chunk.get("usage")
                 if usage:
@@ -324,36 +292,24 @@ def variant_settings(variant: str) -> dict[str, Any]:
     return dict(key_value(item) for item in variant.split("/")[1:])
 
 
-def gateway_config(urls: Sequence[str], port: int, policy: str, hashing: str,
-                   chars_per_token: float | None = None,
-                   settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One pool of the vLLM replicas with this policy, hashing mode and other settings."""
+def start_gateway(fleet: Fleet, urls: Sequence[str], policy: str, hashing: str, name: str,
+                  chars_per_token: float | None = None,
+                  settings: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """A gateway with one pool of the vLLM replicas and this policy, hashing mode and other
+    settings, once it answers /ready."""
     routing: dict[str, Any] = {**(settings or {}), "policy": policy, "hashing": hashing}
     if chars_per_token:
         routing["chars_per_token"] = chars_per_token
-    return one_pool_config(list(urls), port, pool="bench", models=(MODEL,),
-                           replica_prefix="vllm", routing=routing,
-                           health={"interval_s": 1.0, "metrics_interval_s": 0.5})
-
-
-async def reset_caches(urls: Sequence[str]) -> None:
-    """POST /reset_prefix_cache until every replica reports success (idle)."""
-    async with aiohttp.ClientSession() as s:
-        for u in urls:
-            for _ in range(100):
-                async with s.post(u + "/reset_prefix_cache") as r:
-                    ok = r.status == 200 and (await r.json()).get("success", False)
-                if ok:
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                raise RuntimeError(f"{u}: /reset_prefix_cache never succeeded")
+    return fleet.start_gateway(urls, name, deadline_s=180, pool="bench", models=(MODEL,),
+                               replica_prefix="vllm", routing=routing,
+                               health={"interval_s": 1.0, "metrics_interval_s": 0.5})
 
 
 async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: int,
                    max_tokens: int, tokenize_probe: bool) -> dict[str, Any]:
     """Reset caches, drive the workload through the gateway, diff the engines' counters."""
-    await reset_caches(urls)
+    # Blocking, in a thread: nothing else runs on this loop yet.
+    await asyncio.to_thread(reset_prefix_caches, urls)
     async with aiohttp.ClientSession() as s:
         before = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
         gw_before = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
@@ -432,17 +388,6 @@ def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str,
     }
 
 
-def start_gateway(urls: Sequence[str], policy: str, hashing: str, log_dir: Path,
-                  name: str, chars_per_token: float | None = None,
-                  settings: dict[str, Any] | None = None) -> tuple[str, Any]:
-    """Spawn `gateway.cli serve` with a generated config; wait for /ready."""
-    port = processes.free_ports(1)[0]
-    url, proc, _ = processes.start_gateway(
-        gateway_config(urls, port, policy, hashing, chars_per_token, settings), log_dir, name,
-        deadline_s=180, env={"PYTHONPATH": str(ROOT)})
-    return url, proc
-
-
 def step_figures(gw_url: str) -> dict[str, Any]:
     """The gateway's prefill rate and per-replica engine step times, from /admin/stats."""
     with urllib.request.urlopen(gw_url + "/admin/stats", timeout=10) as r:
@@ -454,12 +399,12 @@ def step_figures(gw_url: str) -> dict[str, Any]:
 
 
 def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.Namespace,
-                log_dir: Path, tag: str) -> dict[str, Any]:
+                fleet: Fleet, tag: str) -> dict[str, Any]:
     """One gateway process, one workload run, for a policy[+engine_tokens] variant."""
     policy, hashing, cpt = parse_variant(variant)
     settings = variant_settings(variant)
     suffix = "-".join(f"{k}{v}" for k, v in settings.items())
-    gw_url, proc = start_gateway(urls, policy, hashing, log_dir,
+    gw_url, proc = start_gateway(fleet, urls, policy, hashing,
                                  f"gw-{tag}-{policy}-{hashing}-{cpt or ''}{suffix}", cpt,
                                  settings)
     try:
@@ -467,7 +412,7 @@ def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.
                                  tokenize_probe=hashing == "engine_tokens"))
         res.update(step_figures(gw_url))
     finally:
-        processes.stop_all([proc])
+        fleet.stop_process(proc)
     res.update(variant=variant, policy=policy, hashing=hashing, chars_per_token=cpt)
     return res
 
@@ -513,7 +458,7 @@ def tokenizer_of(url: str) -> Callable[[dict[str, Any]], int]:
 
 
 def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
-          variants: Sequence[str], wl: Workload | None, log_dir: Path,
+          variants: Sequence[str], wl: Workload | None, fleet: Fleet,
           ) -> tuple[dict[str, Any], Workload]:
     """Start replicas with ``blocks`` KV blocks each, run every variant ``repeats`` times
     interleaved, stop the replicas."""
@@ -524,7 +469,7 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
     t0 = time.monotonic()
     reps = launch.start_replicas(args.replicas, model_dir, base, served_model_name=MODEL,
                                  kv_cache_gib=gib, max_model_len=args.max_model_len,
-                                 log_dir=str(log_dir), num_kv_blocks=blocks,
+                                 log_dir=str(fleet.log_dir), num_kv_blocks=blocks,
                                  block_size=args.block_size)
     info: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1),
                             "kv_blocks": [r.num_kv_blocks for r in reps],
@@ -544,7 +489,7 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
         for rep in range(args.repeats):
             order = list(variants) if rep % 2 == 0 else list(reversed(variants))
             for v in order:
-                res = run_variant(urls, v, wl, args, log_dir, f"{label}{rep}")
+                res = run_variant(urls, v, wl, args, fleet, f"{label}{rep}")
                 res["repeat"] = rep
                 info["runs"].append(res)
                 log(f"[{label}] rep {rep} {v}: TTFT p50 {fmt_ms(res['ttft_p50_s'])} p90 "
@@ -565,21 +510,7 @@ def fmt_ms(v: float | None) -> str:
 
 
 def fmt_ratio(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _med(vals: Sequence[float | None]) -> float | None:
-    xs = [v for v in vals if v is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _spread(vals: Sequence[float | None], f: Callable[[float | None], str]) -> str:
-    xs = [v for v in vals if v is not None]
-    if not xs:
-        return "-"
-    if len(xs) == 1:
-        return f(xs[0])
-    return f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})"
+    return cell(v)
 
 
 def aggregate(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[str, Any]:
@@ -587,7 +518,7 @@ def aggregate(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[s
     out: dict[str, Any] = {}
     for v in variants:
         rs = [r for r in runs if r["variant"] == v]
-        out[v] = {k: _med([r[k] for r in rs]) for k in (
+        out[v] = {k: median([r[k] for r in rs]) for k in (
             "ttft_p50_s", "ttft_p90_s", "engine_hit_ratio", "client_cached_ratio",
             "engine_queue_mean_s", "gateway_minus_engine_ttft_s", "wall_s")}
         out[v]["runs"] = len(rs)
@@ -603,21 +534,17 @@ def render(report: dict[str, Any]) -> str:
         if not ph:
             continue
         lines += [f"### {label}: {ph['kv_blocks'][0]} KV blocks x {ph['block_size']} tokens "
-                  f"per replica ({ph['kv_tokens'][0]} tokens)", "",
-                  "| variant | TTFT p50 ms | TTFT p90 ms | engine hit ratio | queue mean ms "
-                  "| gateway-engine TTFT ms | errors | runs |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        variants = list(dict.fromkeys(r["variant"] for r in ph["runs"]))
-        for v in variants:
+                  f"per replica ({ph['kv_tokens'][0]} tokens)", ""]
+        rows = []
+        for v in dict.fromkeys(r["variant"] for r in ph["runs"]):
             rs = [r for r in ph["runs"] if r["variant"] == v]
-            lines.append(
-                f"| {v} | {_spread([r['ttft_p50_s'] for r in rs], fmt_ms)} | "
-                f"{_spread([r['ttft_p90_s'] for r in rs], fmt_ms)} | "
-                f"{_spread([r['engine_hit_ratio'] for r in rs], fmt_ratio)} | "
-                f"{_spread([r['engine_queue_mean_s'] for r in rs], fmt_ms)} | "
-                f"{_spread([r['gateway_minus_engine_ttft_s'] for r in rs], fmt_ms)} | "
-                f"{sum(r['errors'] for r in rs)} | {len(rs)} |")
-        lines.append("")
+            rows.append([v, *(median_range([r[k] for r in rs], f) for k, f in (
+                ("ttft_p50_s", fmt_ms), ("ttft_p90_s", fmt_ms), ("engine_hit_ratio", fmt_ratio),
+                ("engine_queue_mean_s", fmt_ms), ("gateway_minus_engine_ttft_s", fmt_ms))),
+                str(sum(r["errors"] for r in rs)), str(len(rs))])
+        lines.append(markdown_table(["variant", "TTFT p50 ms", "TTFT p90 ms", "engine hit ratio",
+                                     "queue mean ms", "gateway-engine TTFT ms", "errors",
+                                     "runs"], rows))
     t = report.get("pressured", {}).get("tokenize_idle")
     if t:
         lines.append("/tokenize on an idle replica: " + ", ".join(
@@ -686,10 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    log_dir = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    fleet = Fleet(Path(tempfile.mkdtemp(prefix="vllm-bench-")))
     t_start = time.monotonic()
     model_dir = launch.ensure_model()
-    report: dict[str, Any] = {"args": vars(args), "log_dir": str(log_dir)}
+    report: dict[str, Any] = {"args": vars(args), "log_dir": str(fleet.log_dir)}
     wl: Workload | None = None
     try:
         with sigterm_as_interrupt():
@@ -703,11 +630,11 @@ def main(argv: list[str] | None = None) -> int:
                     blocks = max(math.ceil(args.max_model_len / args.block_size) + 1,
                                  round(sys_blocks * args.pressure_fraction))
                 report["pressured"], wl = phase("pressured", args, model_dir, blocks,
-                                                variants, wl, log_dir)
+                                                variants, wl, fleet)
             if not args.no_control:
                 ctl = [v for v in variants if parse_variant(v)[1] == "chars"]
                 report["control"], wl = phase("control", args, model_dir, args.control_blocks,
-                                              ctl, wl, log_dir)
+                                              ctl, wl, fleet)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
@@ -723,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         report["target"] = target(report["pressured"]["summary"])
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     print(render(report), end="", flush=True)
-    print(f"wall time {report['wall_s']} s; logs in {log_dir}", flush=True)
+    print(f"wall time {report['wall_s']} s; logs in {fleet.log_dir}", flush=True)
     line = json.dumps(report, default=str)
     if args.output:
         Path(args.output).write_text(line + "\n")

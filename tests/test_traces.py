@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.sim.prompt import estimate_tokens
-from loadtests.stress_trace import main as write_stress_trace
+from loadtests.experiments.stress_trace import main as write_stress_trace
 from loadtests.traces import BLOCK_TOKENS, ideal_hit_ratio, load_trace, prompt_text
 
 

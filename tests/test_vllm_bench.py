@@ -1,22 +1,10 @@
-"""Pure helpers of loadtests/vllm_bench.py (no engine needed)."""
+"""Pure helpers of loadtests.vllm_bench (no engine needed)."""
 
 from __future__ import annotations
 
 import itertools
 
 from loadtests import vllm_bench as vb
-
-
-def test_parse_sums_adds_series_and_ignores_comments() -> None:
-    text = (
-        "# HELP vllm:prefix_cache_hits_total x\n"
-        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0\n'
-        'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 256.0\n'
-        "vllm:prefix_cache_queries_total 1000.0\n"
-        "vllm:prefix_cache_queries_total_created 1.7e9\n"
-    )
-    got = vb.parse_sums(text, (vb.HITS, vb.QUERIES, vb.WAITING))
-    assert got == {vb.HITS: 384.0, vb.QUERIES: 1000.0, vb.WAITING: 0.0}
 
 
 def test_system_targets_spread_evenly() -> None:

@@ -1,4 +1,12 @@
-"""Evidence for the stack choice: one minimal pass-through proxy on four server/client stacks."""
+"""Evidence for the stack choice: one minimal pass-through proxy on four server/client stacks.
+
+Each proxy and the gateway run in front of the same stub replicas, closed loop, interleaved.
+With --gateways-only --baseline-root DIR it is an A/B of the gateway against another checkout
+(e.g. a git worktree of an older commit):
+
+    python -m loadtests.experiments.stack_choice
+    python -m loadtests.experiments.stack_choice --gateways-only --baseline-root ../old
+"""
 
 from __future__ import annotations
 
@@ -8,26 +16,21 @@ import contextlib
 import itertools
 import json
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from gateway import processes  # noqa: E402
-from loadtests.overhead import (  # noqa: E402
+from gateway import processes
+from loadtests.fleet import Fleet, pinned
+from loadtests.overhead import (
     CLIENT_CORE,
     SERVER_CORE,
     closed_loop,
     cpu_seconds,
-    med,
     pin_self,
-    pinned,
     request_bodies,
-    spread,
     start_gateway,
-    start_stubs,
 )
+from loadtests.report import span
+from loadtests.stats import median
 
 _SSE = [(b"content-type", b"text/event-stream")]
 _JSON = [(b"content-type", b"application/json")]
@@ -106,7 +109,8 @@ VARIANTS = [("aiohttp", "uvloop"), ("httpx", "uvloop"), ("aiohttp", "asyncio"),
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--reps", type=int, default=3)
@@ -125,53 +129,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pin_self(CLIENT_CORE)
     results: dict[str, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory(prefix="stack-") as tmp:
-        log_dir = Path(tmp)
-        stub, urls = start_stubs(4, log_dir)
-        procs = [stub]
+    with Fleet() as fleet:
+        _, urls = fleet.start_stubs(4, core=SERVER_CORE)
         targets: dict[str, tuple[str, int]] = {}
-        try:
-            for client, server in [] if args.gateways_only else VARIANTS:
-                port = processes.free_ports(1)[0]
-                p = processes.spawn(pinned([sys.executable, __file__, "--serve", str(port),
-                                            ",".join(urls), client, server], SERVER_CORE),
-                                    str(log_dir / f"{client}-{server}.log"))
-                procs.append(p)
-                url = f"http://127.0.0.1:{port}"
-                processes.wait_healthy([url], [p], deadline_s=20, path="/v1/chat/completions")
-                targets[f"{server}+{client} proxy"] = (url, p.pid)
-            gw, gw_url = start_gateway(urls, log_dir)
-            procs.append(gw)
-            targets["prefix-gateway"] = (gw_url, gw.pid)
-            if args.baseline_root:
-                base, base_url = start_gateway(urls, log_dir, "baseline",
-                                               root=args.baseline_root.resolve())
-                procs.append(base)
-                targets["prefix-gateway baseline"] = (base_url, base.pid)
-            for stream in (False, True):
-                bodies = request_bodies(stream=stream)
-                mode = "stream" if stream else "non-stream"
-                for r in range(args.reps):
-                    order = list(targets) if r % 2 == 0 else list(targets)[::-1]
-                    for name in order:
-                        url, pid = targets[name]
-                        c0 = cpu_seconds(pid)
-                        run = asyncio.run(closed_loop([url + "/v1/chat/completions"], bodies,
-                                                      stream, args.concurrency, args.duration,
-                                                      []))
-                        cpu = cpu_seconds(pid) - c0
-                        results.setdefault(name, {}).setdefault(mode, []).append(
-                            {"rps": run.rps, "cpu_ms_per_req": 1000 * cpu / max(1, run.ok),
-                             "errors": run.errors})
-                        print(f"  {mode:10} {name:26} {run.rps:7.0f} req/s "
-                              f"{1000 * cpu / max(1, run.ok):.3f} CPU-ms/req "
-                              f"errors {run.errors}", file=sys.stderr, flush=True)
-        finally:
-            processes.stop_all(procs)
-    summary = {name: {mode: {"rps": med([x["rps"] for x in xs]),
-                             "rps_spread": spread([x["rps"] for x in xs]),
-                             "cpu_ms_per_req": med([x["cpu_ms_per_req"] for x in xs]),
-                             "cpu_ms_spread": spread([x["cpu_ms_per_req"] for x in xs]),
+        for client, server in [] if args.gateways_only else VARIANTS:
+            port = processes.free_ports(1)[0]
+            p = fleet.spawn(pinned([sys.executable, "-m", __spec__.name, "--serve",
+                                    str(port), ",".join(urls), client, server],
+                                   SERVER_CORE), f"{client}-{server}")
+            url = f"http://127.0.0.1:{port}"
+            processes.wait_healthy([url], [p], deadline_s=20, path="/v1/chat/completions")
+            targets[f"{server}+{client} proxy"] = (url, p.pid)
+        gw, gw_url = start_gateway(fleet, urls)
+        targets["prefix-gateway"] = (gw_url, gw.pid)
+        if args.baseline_root:
+            base, base_url = start_gateway(fleet, urls, "baseline",
+                                           root=args.baseline_root.resolve())
+            targets["prefix-gateway baseline"] = (base_url, base.pid)
+        for stream in (False, True):
+            bodies = request_bodies(stream=stream)
+            mode = "stream" if stream else "non-stream"
+            for r in range(args.reps):
+                order = list(targets) if r % 2 == 0 else list(targets)[::-1]
+                for name in order:
+                    url, pid = targets[name]
+                    c0 = cpu_seconds(pid)
+                    run = asyncio.run(closed_loop([url + "/v1/chat/completions"], bodies,
+                                                  stream, args.concurrency, args.duration,
+                                                  []))
+                    cpu = cpu_seconds(pid) - c0
+                    results.setdefault(name, {}).setdefault(mode, []).append(
+                        {"rps": run.rps, "cpu_ms_per_req": 1000 * cpu / max(1, run.ok),
+                         "errors": run.errors})
+                    print(f"  {mode:10} {name:26} {run.rps:7.0f} req/s "
+                          f"{1000 * cpu / max(1, run.ok):.3f} CPU-ms/req "
+                          f"errors {run.errors}", file=sys.stderr, flush=True)
+    summary = {name: {mode: {"rps": median([x["rps"] for x in xs]),
+                             "rps_spread": span([x["rps"] for x in xs]),
+                             "cpu_ms_per_req": median([x["cpu_ms_per_req"] for x in xs]),
+                             "cpu_ms_spread": span([x["cpu_ms_per_req"] for x in xs]),
                              "errors": sum(x["errors"] for x in xs)}
                       for mode, xs in by.items()} for name, by in results.items()}
     if args.json:

@@ -1,13 +1,13 @@
 """Write a Mooncake-format trace of a chosen shape, to time replays of traces not seen before.
 
-The public Mooncake traces that are not in ../shared/traces (the arXiv `mooncake_trace.jsonl`,
+The public Mooncake traces that are not in data/traces (the arXiv `mooncake_trace.jsonl`,
 `toolagent_trace.jsonl`, `conversation_trace.jsonl`) are published with their request rates
 and mean lengths; this writes traces with those shapes (Poisson arrivals, log-normal input
 lengths, exponential outputs, a share of requests that extend an earlier request's prefix),
-so that how long `loadtests/replay.py` takes on them can be measured here:
+so that how long a replay of them takes can be measured without them:
 
-    python loadtests/stress_trace.py --rate 6.56 --input-mean 7590 --output-mean 182 \
-        --out /tmp/arxiv_like.jsonl
+    python -m loadtests.experiments.stress_trace --rate 6.56 --input-mean 7590 \
+        --output-mean 182 --out /tmp/arxiv_like.jsonl
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ import math
 import random
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtests.traces import BLOCK_TOKENS
 

@@ -7,7 +7,7 @@ block of it can already be cached): it is sent once (cold), then the same prompt
 ("warm+suffix": shared prefix, new tail, as a gateway sees it). Prompt sizes are fitted with
 POST /tokenize so they are exact in tokens. Bounded: ``trials`` x sizes x 3 requests.
 
-    python loadtests/vllm_ttft_probe.py --url http://127.0.0.1:8100 --tokens 1000 2000
+    python -m loadtests.experiments.vllm_ttft_probe --url http://127.0.0.1:8100 --tokens 1000 2000
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""One-off investigations kept runnable (`python -m loadtests.experiments.NAME`), not benchmarks."""

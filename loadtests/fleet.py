@@ -1,0 +1,162 @@
+"""Benchmark fleets as child processes: simulated or stub replicas and gateways, and stopping
+them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway import processes
+from gateway.defaults import one_pool_config
+
+REPO = Path(__file__).resolve().parents[1]
+# Children import this checkout's packages whatever the caller's working directory.
+CHILD_ENV = {"PYTHONPATH": str(REPO)}
+MODEL = "tiny"
+
+
+def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A base port such that base .. base+n-1 are all free now (multi-replica processes
+    listen on consecutive ports)."""
+    for _ in range(200):
+        base = processes.free_ports(1, host)[0]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind((host, p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@functools.cache
+def _has_taskset() -> bool:
+    return shutil.which("taskset") is not None
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """The command run on one CPU core (taskset), when a core is given and taskset exists."""
+    return ["taskset", "-c", str(core), *cmd] if core is not None and _has_taskset() else cmd
+
+
+@dataclass
+class Fleet:
+    """The processes one benchmark run started, with their logs in `log_dir`.
+
+    `stop()` (or leaving the `with` block) ends every one of them; it is idempotent.
+    """
+
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loadtests-")))
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def spawn(self, cmd: list[str], name: str) -> subprocess.Popen:
+        """Start a child process logging to `log_dir/NAME.log`; the fleet will stop it."""
+        proc = processes.spawn(cmd, str(self.log_dir / f"{name}.log"), env=CHILD_ENV)
+        self.procs.append(proc)
+        return proc
+
+    def start_sims(self, n: int, kv_capacity_tokens: int, profile: str,
+                   time_scale: float = 1.0, model: str = MODEL,
+                   deadline_s: float = 60.0) -> list[str]:
+        """`n` simulated vLLM replicas in one process; their base URLs once all are healthy."""
+        base = consecutive_free_ports(n)
+        proc = self.spawn([sys.executable, "-m", "backends.sim", "--port", str(base),
+                           "--count", str(n), "--kind", "vllm", "--model", model,
+                           "--profile", profile, "--time-scale", str(time_scale),
+                           "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", "sim"],
+                          "sims")
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+        processes.wait_healthy(urls, [proc], deadline_s=deadline_s)
+        return urls
+
+    def start_stubs(self, n: int, core: int | None = None,
+                    deadline_s: float = 20.0) -> tuple[subprocess.Popen, list[str]]:
+        """`n` instant stub replicas (stub_replica.py) in one process, optionally on one core."""
+        base = consecutive_free_ports(n)
+        proc = self.spawn(pinned([sys.executable, "-m", "loadtests.stub_replica",
+                                  "--port", str(base), "--count", str(n)], core), "stub")
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+        processes.wait_healthy(urls, [proc], deadline_s=deadline_s)
+        return proc, urls
+
+    def start_gateway(self, replica_urls: Sequence[str], name: str = "gateway", *,
+                      deadline_s: float = 60.0, core: int | None = None, root: Path = REPO,
+                      **config: Any) -> tuple[str, subprocess.Popen]:
+        """A gateway process with one pool of these replicas, once it answers /ready:
+        (its URL, its process).
+
+        `config` are `gateway.defaults.one_pool_config`'s keywords (pool, routing, health,
+        ...); `root` is the checkout it runs from (another one for an A/B of two versions).
+        """
+        cfg = one_pool_config(list(replica_urls), processes.free_ports(1)[0], **config)
+        # -P: import the gateway from `root` (PYTHONPATH), not from the working directory.
+        url, proc, _ = processes.start_gateway(
+            cfg, self.log_dir, name, deadline_s=deadline_s, env={"PYTHONPATH": str(root)},
+            python_flags=("-P",), wrap=lambda cmd: pinned(cmd, core))
+        self.procs.append(proc)
+        return url, proc
+
+    def stop_process(self, proc: subprocess.Popen) -> None:
+        """Stop one process of the fleet (e.g. a gateway between two policies)."""
+        processes.stop_all([proc])
+        self.procs.remove(proc)
+
+    def stop(self) -> None:
+        processes.stop_all(self.procs)
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the finally blocks stop the child processes."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_async(coro: Any) -> Any:
+    """Run a load generator's coroutine, on uvloop when it is installed (on a small machine
+    the client must not be the bottleneck)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def use_uvloop() -> None:
+    """Make uvloop the default event loop of later `asyncio.run` calls, when installed."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()

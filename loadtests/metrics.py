@@ -1,0 +1,81 @@
+"""Reading Prometheus text from the engines' and the gateway's /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.request
+from collections.abc import Sequence
+
+import aiohttp
+
+# vLLM's names; the simulated replica (kind vllm) exposes the same.
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+SUCCESS = "vllm:request_success_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+ENGINE_QUEUE = "vllm:request_queue_time_seconds"
+GATEWAY_TTFT = "gateway_time_to_first_token_seconds"
+
+
+def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Per named sample, the sum over all its series (labels ignored: one replica process may
+    label several engines); 0.0 for a name that is absent."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        cut = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+        name = line[:cut]
+        if name in out:
+            # A malformed value: skip the series rather than fail the run.
+            with contextlib.suppress(ValueError):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str],
+                 timeout_s: float = 10.0) -> dict[str, float]:
+    """The named sums of one base URL's /metrics; raises on a failed read."""
+    async with session.get(url.rstrip("/") + "/metrics",
+                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        r.raise_for_status()
+        return parse_sums(await r.text(), names)
+
+
+async def scrape_all(session: aiohttp.ClientSession, urls: Sequence[str], names: Sequence[str],
+                     timeout_s: float = 5.0) -> list[dict[str, float] | None]:
+    """`scrape` of every URL at once; None for each one that could not be read."""
+    async def one(url: str) -> dict[str, float] | None:
+        try:
+            return await scrape(session, url, names, timeout_s)
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def scrape_sync(url: str, names: Sequence[str], timeout_s: float = 5.0) -> dict[str, float]:
+    """`scrape` without an event loop (urllib)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        return parse_sums(r.read().decode(), names)
+
+
+def wait_idle(urls: Sequence[str], deadline_s: float = 300.0, poll_s: float = 0.5) -> None:
+    """Return once no replica runs or queues a request (the previous run's tail is done);
+    RuntimeError when the deadline passes first."""
+    end = time.monotonic() + deadline_s
+    while True:
+        busy = 0.0
+        for u in urls:
+            m = scrape_sync(u, (RUNNING, WAITING))
+            busy += m[RUNNING] + m[WAITING]
+        if busy == 0:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"replicas still busy ({busy:.0f} requests) after {deadline_s}s")
+        time.sleep(poll_s)

@@ -1,0 +1,130 @@
+"""The helpers every benchmark shares: metrics parsing, statistics, tables, cache reset."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from loadtests.caches import reset_prefix_caches
+from loadtests.metrics import HITS, QUERIES, WAITING, parse_sums
+from loadtests.report import cell, markdown_table, median_range, text_table
+from loadtests.sse import data_events_sync
+from loadtests.stats import max_over_mean, median, nearest_rank, percentile
+
+
+def test_parse_sums_adds_series_and_ignores_comments() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total x\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 256.0\n'
+        "vllm:prefix_cache_queries_total 1000.0\n"
+        "vllm:prefix_cache_queries_total_created 1.7e9\n"
+        "vllm:num_requests_waiting not-a-number\n"
+    )
+    got = parse_sums(text, (HITS, QUERIES, WAITING))
+    assert got == {HITS: 384.0, QUERIES: 1000.0, WAITING: 0.0}
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
+    assert percentile(values, 0.0) == 1.0
+    assert percentile(values, 0.5) == 2.5
+    assert percentile(values, 0.9) == pytest.approx(3.7)
+    assert percentile(values, 1.0) == 4.0
+    assert percentile([], 0.5) is None
+    assert percentile([], 0.5, 0.0) == 0.0
+
+
+def test_nearest_rank_takes_a_sample_without_interpolating() -> None:
+    values = [float(x) for x in range(1, 11)]
+    assert nearest_rank(values, 0.5) == 6.0
+    assert nearest_rank(values, 0.99) == 10.0
+    assert math.isnan(nearest_rank([], 0.5))
+
+
+def test_median_and_imbalance() -> None:
+    assert median([3.0, None, 1.0, 2.0]) == 2.0
+    assert median([None]) is None
+    assert max_over_mean([2, 1, 0]) == 2.0
+    assert max_over_mean([0, 0], 0.0) == 0.0
+    assert max_over_mean([]) is None
+
+
+def test_tables() -> None:
+    assert markdown_table(["a", "b"], [["1", "-"]], align="lr") == (
+        "| a | b |\n|---|---:|\n| 1 | - |\n")
+    assert text_table(["name", "x"], [["ab", "10.5"]]) == "name  x   \nab    10.5"
+    assert cell(None) == "-"
+    assert cell(0.12345) == "0.123"
+    assert median_range([0.3, None, 0.1, 0.2], "{:.1f}".format) == "0.2 (0.1-0.3)"
+    assert median_range([None], "{:.1f}".format) == "-"
+
+
+class _Replica(BaseHTTPRequestHandler):
+    """POST /reset_prefix_cache answers from the server's script, then its last answer."""
+
+    server: _ScriptedReplica
+
+    def do_POST(self) -> None:
+        self.server.posts += 1
+        script = self.server.script
+        body = script[min(self.server.posts, len(script)) - 1]
+        self.send_response(200 if self.path == "/reset_prefix_cache" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _ScriptedReplica(ThreadingHTTPServer):
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Replica)
+        self.script: list[bytes] = [b""]
+        self.posts = 0
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def replica() -> Iterator[_ScriptedReplica]:
+    server = _ScriptedReplica()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+NO, YES = json.dumps({"success": False}).encode(), json.dumps({"success": True}).encode()
+
+
+def test_reset_retries_until_the_engine_reports_success(replica: _ScriptedReplica) -> None:
+    replica.script = [NO, NO, YES]  # vLLM: false while requests still hold blocks
+    reset_prefix_caches([replica.url], poll_s=0.01)
+    assert replica.posts == 3
+
+
+def test_reset_accepts_an_empty_200(replica: _ScriptedReplica) -> None:
+    replica.script = [b""]  # the simulated replica's answer
+    reset_prefix_caches([replica.url, replica.url])
+    assert replica.posts == 2
+
+
+def test_reset_names_the_replica_that_never_succeeds(replica: _ScriptedReplica) -> None:
+    replica.script = [NO]
+    with pytest.raises(RuntimeError, match=f"{replica.url}: /reset_prefix_cache"):
+        reset_prefix_caches([replica.url], deadline_s=0.2, poll_s=0.01)
+
+
+def test_sse_yields_each_events_data_until_done() -> None:
+    lines = [b": keep-alive\n", b"data: {\"a\": 1}\n", b"\n", b"event: x\n", b"data:{}\n",
+             b"data: [DONE]\n", b"data: after\n"]
+    assert list(data_events_sync(lines)) == [b'{"a": 1}', b"{}"]
