@@ -78,7 +78,7 @@ class Pool:
                                                  r.api_key or cfg.api_key)
         self.router = Router(
             self.replicas,
-            build_policy(routing.policy, **routing.model_dump()),
+            build_policy(routing.policy, routing.policy_settings()),
             block_chars=routing.block_chars,
             chars_per_token=routing.chars_per_token,
             index_capacity_blocks=routing.index_capacity_blocks,
