@@ -15,6 +15,15 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from routing.policies import (
+    PolicySettingsError,
+    policy_class,
+    policy_names,
+    settings_names,
+    validate_settings,
+)
 
 EngineKind = Literal["vllm", "trtllm"]
 
@@ -25,12 +34,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class RoutingSettings(_Strict):
-    """How a pool chooses a replica."""
+class RoutingSettings(BaseModel):
+    """How a pool chooses a replica: the router's own settings, and beside them, flat, the
+    settings of the chosen policy (each policy's `Settings` model in routing/policies/)."""
 
-    policy: Literal["prefix_affinity", "consistent_hash", "least_load", "round_robin"] = (
-        "prefix_affinity"
-    )
+    # Keys other than the router's are the policy's: validated against its settings model
+    # below, so a misspelt or misplaced one is still an error.
+    model_config = ConfigDict(extra="allow")
+
+    policy: str = Field("prefix_affinity", description="the routing policy: one of "
+                        f"{', '.join(policy_names())}")
     block_chars: int = Field(256, ge=16, le=65536, description="characters per hashed block")
     chars_per_token: float = Field(
         4.0, gt=0, description="to estimate tokens from characters (a first guess when learned)"
@@ -38,31 +51,10 @@ class RoutingSettings(_Strict):
     learn_chars_per_token: bool = Field(
         True, description="learn chars_per_token from the replicas' usage.prompt_tokens"
     )
-    load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c")
-    load_allowance: int = Field(
-        4, ge=0, description="prefix_affinity: in-flight requests allowed above ceil(c x mean)"
-    )
-    load_weight: float = Field(0.5, ge=0.0, description="weight of a replica's queue in the cost")
-    idle_load_weight: float | None = Field(
-        1.5, ge=0.0, description="queue weight when no replica has prefill queued; it moves "
-        "linearly to load_weight as more replicas do (None: always load_weight)"
-    )
-    inflight_tokens: float = Field(
-        256.0, ge=0.0, description="queue tokens counted per request in flight on a replica"
-    )
     prefill_tokens_per_s: float | None = Field(
         None, ge=0.0, description="the engines' prefill rate, to price the wait for a "
         "replica's engine step in flight (timed from its streamed chunks) in prompt tokens; "
         "None: learn it from the steps that carry a prefill; 0: ignore step timing"
-    )
-    slack_fraction: float = Field(0.25, ge=0.0)
-    slack_tokens: float = Field(256.0, ge=0.0)
-    tie_tokens: float = Field(
-        512.0, ge=0.0, description="cost difference within which equal matches count as a tie"
-    )
-    balance_horizon: int = Field(
-        1000, ge=0, description="decisions over which ties go to the replica with the least "
-        "recent prefill (0: ties go to the rendezvous owner)"
     )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
@@ -74,6 +66,52 @@ class RoutingSettings(_Strict):
     token_block_size: int | None = Field(
         None, ge=1, description="tokens per block with engine_tokens (default: the engine's)"
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        policy_class(v)  # raises ValueError naming the registered policies
+        return v
+
+    @model_validator(mode="after")
+    def _policy_settings(self) -> RoutingSettings:
+        given = self.__pydantic_extra__ or {}
+        if not given:
+            return self
+        try:
+            validated = validate_settings(self.policy, given)
+        except PolicySettingsError as exc:
+            # Raised as a ValidationError, each problem at its own key, so the loader can name
+            # the key's path and line as for any other mistake.
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type=PydanticCustomError("policy_setting", "{why}",
+                                                          {"why": self._explain(key, why)}),
+                                 loc=(key,), input=given.get(key))
+                for key, why in exc.problems
+            ]) from None
+        # Keep the values as the policy reads them (coerced), only those given.
+        self.__pydantic_extra__ = {k: getattr(validated, k) for k in given}
+        return self
+
+    @classmethod
+    def _explain(cls, key: str, why: str) -> str:
+        if any(key in settings_names(name) for name in policy_names()):
+            return why  # a setting of another policy
+        return (f"unknown key (check its spelling and indentation): not a routing setting "
+                f"({', '.join(sorted(cls.model_fields))}) nor {why.removeprefix('not ')}")
+
+    def policy_settings(self) -> dict[str, Any]:
+        """The chosen policy's settings, validated, its defaults filled in: what to pass to
+        `routing.build_policy(self.policy, ...)`."""
+        return validate_settings(self.policy, self.__pydantic_extra__ or {}).model_dump()
+
+    def for_policy(self, policy: str) -> RoutingSettings:
+        """These settings for another policy: the router's as they are, and of the policy
+        settings, those `policy` also takes (a load_factor stays a load_factor)."""
+        takes = set(settings_names(policy))
+        kept = {k: v for k, v in (self.__pydantic_extra__ or {}).items() if k in takes}
+        router = {k: getattr(self, k) for k in type(self).model_fields if k != "policy"}
+        return RoutingSettings.model_validate({**router, "policy": policy, **kept})
 
 
 class HealthSettings(_Strict):
@@ -194,11 +232,34 @@ class GatewayConfig(_Strict):
                                      f"traffic class {v!r}; classes are {sorted(known)}")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pools_inherit_the_policy(cls, data: Any) -> Any:
+        # A pool's routing block that names no policy is for the global one: its policy
+        # settings must be validated against that, not against the default policy.
+        if not isinstance(data, dict) or not isinstance(data.get("pools"), list):
+            return data
+        routing = data.get("routing")
+        policy = routing.get("policy") if isinstance(routing, dict) else None
+        if policy is None or policy not in policy_names():
+            return data
+        pools = [
+            {**p, "routing": {"policy": policy, **p["routing"]}}
+            if isinstance(p, dict) and isinstance(p.get("routing"), dict)
+            and "policy" not in p["routing"] else p
+            for p in data["pools"]
+        ]
+        return {**data, "pools": pools}
+
     def routing_for(self, pool: PoolConfig) -> RoutingSettings:
-        """The pool's routing settings: the global ones, overridden by what the pool sets."""
+        """The pool's routing settings: the global ones, overridden by what the pool sets. A
+        pool that chooses another policy keeps of the global policy settings those its policy
+        also takes."""
         if pool.routing is None:
             return self.routing
-        return self.routing.model_copy(update=pool.routing.model_dump(exclude_unset=True))
+        own = pool.routing.model_dump(exclude_unset=True)
+        base = self.routing.for_policy(own.get("policy", self.routing.policy))
+        return RoutingSettings.model_validate({**base.model_dump(exclude_unset=True), **own})
 
 
 class ConfigError(Exception):

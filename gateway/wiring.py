@@ -11,7 +11,7 @@ def build_router(routing: RoutingSettings) -> Router:
     """A pool's router, with its policy and settings (replicas are added by the pool)."""
     return Router(
         (),
-        build_policy(routing.policy, **routing.model_dump()),
+        build_policy(routing.policy, routing.policy_settings()),
         block_chars=routing.block_chars,
         chars_per_token=routing.chars_per_token,
         index_capacity_blocks=routing.index_capacity_blocks,

@@ -44,6 +44,7 @@ class Oracle(Policy):
     name = "oracle"
 
     def __init__(self, engines: Mapping[str, EngineModel]) -> None:
+        super().__init__()
         self.engines = engines
         self._hashes: Sequence[int] = ()
         self._prompt_tokens = 0
@@ -129,7 +130,7 @@ class SGLangCacheAware(Policy):
     2. Otherwise match_rate = matched characters / prompt characters on the tree. Above
        cache_threshold the request goes to the worker holding the longest match (several such:
        a hash-ordered pick, as the tree's tenant map iterates); else to the least-loaded one.
-    3. The prompt is inserted into the chosen worker's tree in every case.
+    3. The prompt is inserted into the chosen worker's tree in every case (`on_routed`).
     """
 
     name = "sglang_cache_aware"
@@ -142,6 +143,7 @@ class SGLangCacheAware(Policy):
         max_tree_size: int = 2**26,
         block_chars: int = 256,
     ) -> None:
+        super().__init__()
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -179,7 +181,6 @@ class SGLangCacheAware(Policy):
                 holders = [n for n, m in matches.items() if m == best]
                 chosen = max(holders, key=lambda n: rendezvous.weight(deepest, n))
                 reason = REASON_AFFINITY
-        self._tree(chosen).insert(hashes)
         matched = lookup.matched_blocks(chosen, hashes)
         return Decision(
             replica=chosen,
@@ -189,3 +190,7 @@ class SGLangCacheAware(Policy):
             uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
             fallbacks=[r.name for r in replicas if r.name != chosen],
         )
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        # Inserted wherever the request goes, a retry included, as the router's tree is.
+        self._tree(decision.replica).insert(request.hashes)

@@ -134,7 +134,7 @@ ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
 def _run(job: tuple[Scenario, str] | tuple[Scenario, str, tuple[tuple[str, Any], ...]]
          ) -> tuple[Scenario, str, dict[str, Any], float]:
     sc, policy = job[0], job[1]
-    settings = RoutingSettings(**dict(job[2])) if len(job) > 2 else None
+    settings = RoutingSettings(policy=policy, **dict(job[2])) if len(job) > 2 else None
     w = _workloads.get(sc)
     if w is None:
         _workloads.clear()  # one workload per process at a time: they are large

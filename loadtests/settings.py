@@ -28,8 +28,9 @@ def add_workload_param(parser: argparse.ArgumentParser) -> None:
 
 
 def add_routing_settings(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """``--set KEY=VALUE`` (repeatable) into ``args.settings``: a field of the gateway's
-    RoutingSettings, shared by simulate and replay."""
+    """``--set KEY=VALUE`` (repeatable) into ``args.settings``: a routing setting as the
+    gateway's config takes it, the router's own or one of the chosen policy's (an unknown key
+    is an error), shared by simulate and replay."""
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         dest="settings", type=key_value,
                         help=f"gateway routing setting, e.g. load_weight=1 (repeatable{note})")

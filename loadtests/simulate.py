@@ -3,10 +3,11 @@
 The replicas are `backends.sim.engine.EngineModel`, the same cache and latency model the HTTP
 simulated replica runs; the router is `routing.Router` with the policy `routing.build_policy`
 makes from the gateway's `RoutingSettings`, fed as the gateway feeds it: the prompt text goes
-through `router.request_from_text`, replica views come from a `routing.LoadTracker` updated on
-dispatch, first token and finish, and each index is sized to its engine's KV capacity as the
-gateway does once it has read the engine's metrics. The engine hashes the same text with its
-own block size, so router and engine see one prompt through their own blocks.
+through `router.request_from_text`, replica views come from the router's load, which it
+updates on dispatch, chunks, first token and finish, and each index is sized to its engine's
+KV capacity as the gateway does once it has read the engine's metrics. The engine hashes the
+same text with its own block size, so router and engine see one prompt through their own
+blocks.
 
 Events are arrivals (trace time / speedup) and engine step ends; nothing waits on a wall clock,
 so a whole trace over hundreds of replicas runs in seconds.
@@ -45,9 +46,10 @@ from loadtests.traces import (
     prompt_text,
 )
 from loadtests.ttft_bound import TtftBounds, ttft_bounds
-from routing import LoadTracker, Router, RoutingRequest, build_policy
+from routing import Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
-from routing.policies.base import Policy
+from routing.policies import Policy, settings_names
+from routing.types import Decision
 
 GATEWAY_POLICIES = ("round_robin", "least_load", "consistent_hash", "prefix_affinity")
 REFERENCE_POLICIES = ("sglang_cache_aware", "oracle")
@@ -158,11 +160,37 @@ def load_workload(trace: str | None = None, workload: str | None = None, *,
 
 def make_policy(name: str, settings: RoutingSettings, engines: dict[str, EngineModel],
                 overrides: dict[str, Any] | None = None) -> Policy:
+    """The policy `name` as the gateway builds it from `settings` (a reference policy takes
+    only the router's settings)."""
     if name == "oracle":
         return Oracle(engines)
     if name == "sglang_cache_aware":
         return SGLangCacheAware(block_chars=settings.block_chars, **(overrides or {}))
-    return build_policy(name, **{**settings.model_dump(), **(overrides or {})})
+    return build_policy(name, {**settings.for_policy(name).policy_settings(), **(overrides or {})})
+
+
+def settings_for(policy: str, given: dict[str, Any], *, strict: bool = True) -> RoutingSettings:
+    """The gateway's routing settings for one simulated policy from ``--set`` values.
+
+    Strict (one policy): a key must be a setting of the router or of that policy. Not strict
+    (``--policy all``): a key must be a setting of the router or of some gateway policy, and
+    each policy takes those that are its own (load_weight=1 tunes prefix_affinity, not
+    round_robin). Raises ValueError naming what is wrong."""
+    router_keys = set(RoutingSettings.model_fields) - {"policy"}
+    takes = set(settings_names(policy)) if policy in GATEWAY_POLICIES else set()
+    known = router_keys | takes
+    if not strict:
+        known = router_keys.union(*(settings_names(p) for p in GATEWAY_POLICIES))
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        whose = "any gateway policy" if not strict else f"policy {policy}"
+        raise ValueError(f"--set {', '.join(unknown)}: not a setting of the router "
+                         f"({', '.join(sorted(router_keys))}) nor of {whose}"
+                         + ("" if not strict else f" ({', '.join(sorted(takes)) or 'none'})"))
+    kept = {k: v for k, v in given.items() if k in router_keys | takes}
+    if policy in GATEWAY_POLICIES:
+        return RoutingSettings(policy=policy, **kept)
+    return RoutingSettings(**kept)
 
 
 def simulate(
@@ -189,13 +217,13 @@ def simulate(
     router = Router(names, pol, block_chars=settings.block_chars,
                     chars_per_token=settings.chars_per_token,
                     index_capacity_blocks=settings.index_capacity_blocks,
-                    key_blocks=settings.key_blocks)
+                    key_blocks=settings.key_blocks,
+                    prefill_tokens_per_s=settings.prefill_tokens_per_s)
     # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
     index_blocks = max(1, int(kv_capacity_tokens * settings.chars_per_token
                               / settings.block_chars))
     for n in names:
         router.resize_index(n, index_blocks)
-    load = LoadTracker(settings.prefill_tokens_per_s)
     oracle = pol if isinstance(pol, Oracle) else None
 
     reqs = workload.requests
@@ -203,7 +231,7 @@ def simulate(
     engine_hashes, prompt_tokens = workload.engine_prompts(engine_block_tokens)
     n = len(reqs)
     replica_of = [-1] * n
-    uncached_est = [0.0] * n
+    decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
     finish_at = [math.nan] * n
     out_tokens = [0] * n
@@ -236,21 +264,26 @@ def simulate(
         elif t is None:
             scheduled[i] = None
 
+    def decided(rid: int) -> Decision:
+        decision = decisions[rid]
+        assert decision is not None  # only dispatched requests have engine events
+        return decision
+
     def step(t: float, i: int) -> None:
         eng = engine_list[i]
         name = names[i]
         if eng.step_emits_tokens:
-            load.chunk(name, t)  # the gateway sees this step's streamed chunks
+            router.chunk(name, t)  # the gateway sees this step's streamed chunks
         for ev in eng.advance(t):
             rid = int(ev.req_id)
             if ev.kind == "first_token":
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
-                load.first_token(name, uncached_est[rid], ev.time, reqs[rid].timestamp_s)
+                router.first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
-                load.finished(name, uncached_est[rid], True)
+                router.finished(decided(rid), True)
         scheduled[i] = None
         reschedule(i)
 
@@ -268,7 +301,7 @@ def simulate(
         drain_until(now)
         sample_until(now)
         rr = routing_reqs[rid]
-        views = [load.view(name, now) for name in names]
+        views = [router.load.view(name, now) for name in names]
         if oracle is not None:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         decision = router.route(rr, views)
@@ -280,8 +313,8 @@ def simulate(
         except ValueError:
             continue  # a prompt longer than the engine's KV cache: a 400 error over HTTP
         replica_of[rid] = i
-        uncached_est[rid] = decision.uncached_tokens
-        load.dispatched(decision.replica, decision.uncached_tokens)
+        decisions[rid] = decision
+        router.dispatched(decision)
         routed[i] += 1
         reschedule(i)
     drain_until(math.inf)
@@ -312,7 +345,7 @@ def simulate(
         "imbalance": round(max_over_mean(routed, 0.0), 3),
         "prefill_imbalance": round(max_over_mean(prefill_done, 0.0), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),
-        "prefill_tokens_per_s": round(load.steps.rate),
+        "prefill_tokens_per_s": round(router.load.steps.rate),
         "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
         "replicas": replicas,
         "workload": workload.name,
@@ -358,17 +391,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replicas < 1:
         ap.error("--replicas must be at least 1")
     params = dict(args.workload_param)
-    settings = RoutingSettings(**dict(args.settings))
+    policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
+    try:
+        settings = {name: settings_for(name, dict(args.settings), strict=args.policy != "all")
+                    for name in policies}
+    except ValueError as exc:
+        ap.error(str(exc))
     workload = load_workload(args.trace, args.workload, limit=args.limit, speedup=args.speedup,
                              params=params)
-    policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
     reports = []
     for name in policies:
         t0 = time.perf_counter()
         report = simulate(workload, name, replicas=args.replicas,
                           kv_capacity_tokens=args.kv_capacity_tokens, profile=args.profile,
                           max_output=args.max_output, engine_block_tokens=args.engine_block_tokens,
-                          settings=settings)
+                          settings=settings[name])
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {args.replicas} replicas, "

@@ -6,17 +6,17 @@ same decisions, and a policy can be unit-tested in microseconds.
 
 from routing.hashing import chain_hashes, char_block_hashes, key_hash, token_block_hashes
 from routing.load import LoadTracker
-from routing.policies import POLICIES, Policy, build_policy
+from routing.policies import Policy, PolicySettings, build_policy, policy_names, register
 from routing.prefix_index import PrefixIndex
 from routing.prompt import render_chat, render_completion
 from routing.router import Router
 from routing.types import Decision, ReplicaView, RoutingRequest
 
 __all__ = [
-    "POLICIES",
     "Decision",
     "LoadTracker",
     "Policy",
+    "PolicySettings",
     "PrefixIndex",
     "ReplicaView",
     "Router",
@@ -25,6 +25,8 @@ __all__ = [
     "chain_hashes",
     "char_block_hashes",
     "key_hash",
+    "policy_names",
+    "register",
     "render_chat",
     "render_completion",
     "token_block_hashes",

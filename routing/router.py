@@ -1,4 +1,4 @@
-"""A pool's router: prefix indexes per replica, a policy, and how a prompt becomes a request."""
+"""A pool's router: prefix indexes per replica, a policy, the load it caused, and its events."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ from collections.abc import Iterable, Sequence
 from routing.hashing import char_block_hashes, key_hash
 from routing.load import LoadTracker
 from routing.policies import Policy
+from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
 from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
 
 
 class Router:
-    """Routes requests of one pool: owns the replicas' prefix indexes and the policy.
+    """Routes requests of one pool: owns the replicas' prefix indexes, the policy and the load.
+
+    The caller reports each request's life to it (`dispatched`, `chunk`, `first_token`,
+    `finished`), and the router keeps `load` and tells the policy; it never reaches past the
+    policy's hooks, so a new policy needs no change here or in the caller.
 
     The index is updated synchronously at decision time, before the request is even sent, so a
     burst of requests with the same new prefix follows the first one instead of scattering
@@ -31,11 +36,11 @@ class Router:
         prefill_tokens_per_s: float | None = None,
     ) -> None:
         self.policy = policy
-        self.load = LoadTracker(prefill_tokens_per_s)
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
+        self.load = LoadTracker(prefill_tokens_per_s)
         self.indexes: dict[str, PrefixIndex] = {}
         for name in replicas:
             self.add_replica(name)
@@ -45,9 +50,6 @@ class Router:
     def add_replica(self, name: str, capacity_blocks: int | None = None) -> None:
         if name not in self.indexes:
             self.indexes[name] = PrefixIndex(capacity_blocks or self.default_capacity)
-
-    def remove_replica(self, name: str) -> None:
-        self.indexes.pop(name, None)
 
     def resize_index(self, name: str, capacity_blocks: int) -> None:
         if name in self.indexes:
@@ -98,34 +100,48 @@ class Router:
             raise ValueError("no replica to route to")
         decision = self.policy.choose(request, replicas, self)
         self.record(decision.replica, request.hashes)
+        self.policy.on_routed(request, decision)
+        return decision
+
+    def reroute(self, request: RoutingRequest, previous: Decision, replica: str) -> Decision:
+        """The decision for retrying `request` on `replica` (one of `previous.fallbacks`) after
+        `previous` failed before any byte; the prefix is recorded there as sent."""
+        # Matched before recording, as for a first choice: what the replica holds already.
+        decision = decide(request, self, replica, REASON_RETRY,
+                          [n for n in previous.fallbacks if n != replica])
+        self.record(replica, request.hashes)
+        self.policy.on_routed(request, decision)
         return decision
 
     def record(self, replica: str, hashes: Sequence[int]) -> None:
+        """Note that `replica` now holds the prefix `hashes` (route and reroute do this)."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
             index.insert(hashes)
 
-    def reroute(self, request: RoutingRequest, previous: Decision, replica: str) -> Decision:
-        """The decision to retry `request` on `replica`, one of `previous.fallbacks`."""
-        matched = self.matched_blocks(replica, request.hashes)
-        decision = Decision(
-            replica=replica, reason=REASON_RETRY, matched_blocks=matched,
-            total_blocks=len(request.hashes),
-            uncached_tokens=max(0.0, request.prompt_tokens - matched * request.block_tokens),
-            fallbacks=[f for f in previous.fallbacks if f != replica])
-        self.record(replica, request.hashes)
-        return decision
-
-    # Lifecycle of a routed request ------------------------------------------------------------
+    # A request's life after the decision ---------------------------------------------------
 
     def dispatched(self, decision: Decision) -> None:
+        """The request was sent to `decision.replica`."""
         self.load.dispatched(decision.replica, decision.uncached_tokens)
+        self._load_update(decision.replica)
 
     def chunk(self, replica: str, now: float) -> None:
+        """`replica` streamed a chunk at `now` (times its engine steps)."""
         self.load.chunk(replica, now)
 
     def first_token(self, decision: Decision, now: float, sent_at: float) -> None:
+        """The request's first content token arrived at `now`; it was sent at `sent_at`."""
         self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at)
+        self._load_update(decision.replica)
 
     def finished(self, decision: Decision, saw_first_token: bool) -> None:
+        """The attempt `decision` ended (answered, failed or abandoned)."""
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
+        self.policy.on_finished(decision, saw_first_token)
+        self._load_update(decision.replica)
+
+    def _load_update(self, replica: str) -> None:
+        load = self.load
+        self.policy.on_load_update(replica, load.inflight.get(replica, 0),
+                                   load.pending_prefill.get(replica, 0.0))

@@ -61,4 +61,4 @@ REASON_OVERFLOW = "overflow"  # its prefix's home was over the load bound
 REASON_HASH = "hash"  # consistent hashing chose the key's home
 REASON_ROUND_ROBIN = "round_robin"
 REASON_LEAST_LOAD = "least_load"
-REASON_RETRY = "retry"  # a fallback, after the chosen replica failed before answering
+REASON_RETRY = "retry"  # a fallback tried after its first choice failed before any byte

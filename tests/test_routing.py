@@ -26,7 +26,7 @@ def chat_text(system: str, user: str) -> str:
 
 
 def make_router(policy: str = "prefix_affinity", replicas=REPLICAS, **params) -> Router:
-    return Router(replicas, build_policy(policy, **params), block_chars=128)
+    return Router(replicas, build_policy(policy, params), block_chars=128)
 
 
 def idle(names=REPLICAS) -> list[ReplicaView]:
@@ -95,8 +95,8 @@ def test_distinct_cold_prefixes_spread_over_replicas() -> None:
 
 
 def test_hot_prefix_under_load_spreads_and_respects_the_bound() -> None:
-    router = make_router(load_factor=1.25)
-    load = LoadTracker()
+    router = make_router(load_factor=1.25, load_allowance=0)
+    load = router.load
     sys_prompt = system_prompt(7)
     served = Counter()
     reasons = Counter()
@@ -107,7 +107,7 @@ def test_hot_prefix_under_load_spreads_and_respects_the_bound() -> None:
         req = router.request_from_text(chat_text(sys_prompt, f"user {u}"))
         d = router.route(req, views)
         assert load.inflight.get(d.replica, 0) + 1 <= bound
-        load.dispatched(d.replica, d.uncached_tokens)
+        router.dispatched(d)
         served[d.replica] += 1
         reasons[d.reason] += 1
     assert len(served) > 1
@@ -185,14 +185,14 @@ def test_cold_prompts_of_uneven_length_balance_prefill() -> None:
 def test_load_allowance_lets_a_home_hold_more_than_the_bound() -> None:
     router = make_router(load_factor=1.0, load_allowance=3, load_weight=0.0,
                          inflight_tokens=0.0)
-    load = LoadTracker()
+    load = router.load
     sys_prompt = system_prompt(8)
     served = Counter()
     for u in range(8):
         views = [load.view(n) for n in REPLICAS]
         d = router.route(router.request_from_text(chat_text(sys_prompt, f"u{u}")), views)
         assert load.inflight.get(d.replica, 0) + 1 <= load_bound(views, 1.0) + 3
-        load.dispatched(d.replica, d.uncached_tokens)
+        router.dispatched(d)
         served[d.replica] += 1
     # Without the allowance the home would hold at most ceil(8 / 4) = 2 of them.
     assert max(served.values()) >= 4

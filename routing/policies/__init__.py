@@ -1,41 +1,43 @@
-"""Routing policies, one per module, built by name from configuration."""
+"""Routing policies, one per module, each registering itself by name; built from configuration.
+
+Adding a policy: a new module here that defines a `Policy` subclass decorated with
+`@register` (with its own `Settings` model, if it takes settings), and its import below:
+importing a policy's module is what registers it.
+"""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
-from routing.policies.base import Policy, PrefixLookup, load_bound
+from routing.policies.base import Policy, PolicySettings, PrefixLookup, load_bound
 from routing.policies.consistent_hash import ConsistentHash
 from routing.policies.least_load import LeastLoad
 from routing.policies.prefix_affinity import PrefixAffinity
+from routing.policies.registry import (
+    PolicySettingsError,
+    build_policy,
+    describe_settings,
+    policy_class,
+    policy_names,
+    register,
+    settings_names,
+    validate_settings,
+)
 from routing.policies.round_robin import RoundRobin
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoad, ConsistentHash, PrefixAffinity)
-}
-
-
-def build_policy(name: str, **params: Any) -> Policy:
-    """Build a policy from its configured name and the routing settings."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    # Settings are shared across policies (load_factor matters to two of them); each policy
-    # takes the ones its constructor names and ignores the rest.
-    accepted = inspect.signature(cls).parameters
-    return cls(**{k: v for k, v in params.items() if k in accepted})
-
-
 __all__ = [
-    "POLICIES",
     "ConsistentHash",
     "LeastLoad",
     "Policy",
+    "PolicySettings",
+    "PolicySettingsError",
     "PrefixAffinity",
     "PrefixLookup",
     "RoundRobin",
     "build_policy",
+    "describe_settings",
     "load_bound",
+    "policy_class",
+    "policy_names",
+    "register",
+    "settings_names",
+    "validate_settings",
 ]

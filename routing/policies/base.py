@@ -1,4 +1,4 @@
-"""The one interface every routing policy implements."""
+"""The one interface every routing policy implements, and the helpers policies share."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from routing.types import Decision, ReplicaView, RoutingRequest
 
@@ -16,20 +18,45 @@ class PrefixLookup(Protocol):
     def matched_blocks(self, replica: str, hashes: Sequence[int]) -> int: ...
 
 
+class PolicySettings(BaseModel):
+    """A policy's own settings: each policy subclasses this with its fields and defaults."""
+
+    # A misspelt setting must be an error: silently routing with a default while the operator
+    # believes otherwise is the failure this guards against.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Policy(ABC):
     """Chooses one replica for a request from a snapshot of healthy replicas.
 
-    Policies are pure: the same request, snapshot and index give the same decision. State a
-    policy keeps between calls (a round-robin cursor) lives on the instance.
+    `choose` is a function of the request, the snapshot, the index and the state the policy
+    keeps. That state changes only through the hooks, which the router calls for every request
+    however it was routed (first choice or retry); they do nothing unless a policy needs them.
     """
 
     name: ClassVar[str]
+    Settings: ClassVar[type[PolicySettings]] = PolicySettings
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        self.settings = settings if settings is not None else self.Settings()
 
     @abstractmethod
     def choose(
         self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
     ) -> Decision:
         """Pick a replica; `replicas` is non-empty and holds only healthy members."""
+
+    # The hooks are optional, so not abstract: a policy overrides those it needs.
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027
+        """The request is about to be sent as `decision` says (a first choice or a retry)."""
+
+    def on_finished(self, decision: Decision, saw_first_token: bool) -> None:  # noqa: B027
+        """The attempt `decision` ended: answered, failed or abandoned."""
+
+    def on_load_update(  # noqa: B027
+        self, replica: str, inflight: int, pending_prefill_tokens: float
+    ) -> None:
+        """The router's load count of `replica` changed (dispatch, first token or finish)."""
 
 
 def load_bound(replicas: Sequence[ReplicaView], factor: float) -> int:

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pydantic import Field
+
 from routing import rendezvous
-from routing.policies.base import Policy, PrefixLookup, decide, load_bound
+from routing.policies.base import Policy, PolicySettings, PrefixLookup, decide, load_bound
+from routing.policies.registry import register
 from routing.types import REASON_HASH, REASON_OVERFLOW, Decision, ReplicaView, RoutingRequest
 
 
+class ConsistentHashSettings(PolicySettings):
+    load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c: no replica "
+                               "above ceil(c x mean in-flight)")
+
+
+@register
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    Settings = ConsistentHashSettings
+    settings: ConsistentHashSettings
 
-    def __init__(self, load_factor: float = 1.25) -> None:
-        self.load_factor = load_factor
+    def __init__(self, settings: ConsistentHashSettings | None = None) -> None:
+        super().__init__(settings)
+        self.load_factor = self.settings.load_factor
 
     def choose(
         self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 
 from routing import rendezvous
 from routing.policies.base import Policy, PrefixLookup, decide
+from routing.policies.registry import register
 from routing.types import REASON_LEAST_LOAD, Decision, ReplicaView, RoutingRequest
 
 
+@register
 class LeastLoad(Policy):
     name = "least_load"
 

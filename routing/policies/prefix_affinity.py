@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pydantic import Field
+
 from routing import rendezvous
-from routing.policies.base import Policy, PrefixLookup, load_bound
+from routing.policies.base import Policy, PolicySettings, PrefixLookup, load_bound
+from routing.policies.registry import register
 from routing.types import (
     REASON_AFFINITY,
     REASON_COLD,
@@ -16,6 +19,30 @@ from routing.types import (
 )
 
 
+class PrefixAffinitySettings(PolicySettings):
+    load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c: a replica is "
+                               "eligible while its in-flight count stays within ceil(c x mean)")
+    load_allowance: int = Field(4, ge=0, description="in-flight requests allowed above "
+                                "ceil(c x mean)")
+    load_weight: float = Field(0.5, ge=0.0, description="weight of a replica's queue in the "
+                               "cost when every replica has prefill queued")
+    idle_load_weight: float | None = Field(
+        1.5, ge=0.0, description="queue weight when no replica has prefill queued; it moves "
+        "linearly to load_weight as more replicas do (None: always load_weight)")
+    inflight_tokens: float = Field(256.0, ge=0.0, description="queue tokens counted per "
+                                   "request in flight on a replica")
+    slack_fraction: float = Field(0.25, ge=0.0, description="replicas within this fraction of "
+                                  "the prompt (plus slack_tokens) of the cheapest stay "
+                                  "candidates for the longest match")
+    slack_tokens: float = Field(256.0, ge=0.0, description="fixed part of that slack, in tokens")
+    tie_tokens: float = Field(512.0, ge=0.0, description="cost difference within which equal "
+                              "matches count as a tie")
+    balance_horizon: int = Field(1000, ge=0, description="decisions over which ties go to the "
+                                 "replica with the least recent prefill (0: ties go to the "
+                                 "rendezvous owner)")
+
+
+@register
 class PrefixAffinity(Policy):
     """Longest cached prefix first, but never onto a replica that is too busy to benefit.
 
@@ -45,30 +72,21 @@ class PrefixAffinity(Policy):
     """
 
     name = "prefix_affinity"
+    Settings = PrefixAffinitySettings
+    settings: PrefixAffinitySettings
 
-    def __init__(
-        self,
-        load_factor: float = 1.25,
-        load_weight: float = 0.5,
-        slack_fraction: float = 0.25,
-        slack_tokens: float = 256.0,
-        inflight_tokens: float = 256.0,
-        tie_tokens: float = 512.0,
-        load_allowance: int = 0,
-        balance_horizon: int = 1000,
-        idle_load_weight: float | None = 1.5,
-    ) -> None:
-        if load_factor < 1.0:
-            raise ValueError("load_factor must be >= 1 (below 1 no replica may take a request)")
-        self.load_factor = load_factor
-        self.load_weight = load_weight
-        self.slack_fraction = slack_fraction
-        self.slack_tokens = slack_tokens
-        self.inflight_tokens = inflight_tokens
-        self.tie_tokens = tie_tokens
-        self.load_allowance = max(0, load_allowance)
-        self.balance_horizon = balance_horizon
-        self.idle_load_weight = load_weight if idle_load_weight is None else idle_load_weight
+    def __init__(self, settings: PrefixAffinitySettings | None = None) -> None:
+        super().__init__(settings)
+        s = self.settings
+        self.load_factor = s.load_factor
+        self.load_weight = s.load_weight
+        self.slack_fraction = s.slack_fraction
+        self.slack_tokens = s.slack_tokens
+        self.inflight_tokens = s.inflight_tokens
+        self.tie_tokens = s.tie_tokens
+        self.load_allowance = s.load_allowance
+        self.balance_horizon = s.balance_horizon
+        self.idle_load_weight = s.load_weight if s.idle_load_weight is None else s.idle_load_weight
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
         self._decisions = 0
@@ -122,8 +140,6 @@ class PrefixAffinity(Policy):
             chosen = min(ties, key=lambda row: (self._recent_work(row[5]) + row[6], -row[2]))
         else:
             chosen = max(ties, key=lambda row: row[2])
-        if self.balance_horizon > 0:
-            self._recent[chosen[5]] = (self._recent_work(chosen[5]) + chosen[3], self._decisions)
 
         if best_match == 0:
             # Nobody holds any of it: cold, wherever it goes (its rendezvous owner, or the
@@ -144,3 +160,11 @@ class PrefixAffinity(Policy):
             uncached_tokens=chosen[3],
             fallbacks=[row[5] for row in others],
         )
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        # Here rather than in choose(), so that a retry's prefill counts on the replica that
+        # really got it; the decision clock only moves in choose(), once per request.
+        if self.balance_horizon > 0:
+            name = decision.replica
+            self._recent[name] = (self._recent_work(name) + decision.uncached_tokens,
+                                  self._decisions)

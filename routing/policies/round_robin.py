@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from routing.policies.base import Policy, PrefixLookup, decide
+from routing.policies.base import Policy, PolicySettings, PrefixLookup, decide
+from routing.policies.registry import register
 from routing.types import REASON_ROUND_ROBIN, Decision, ReplicaView, RoutingRequest
 
 
+@register
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        super().__init__(settings)
         self._cursor = 0
 
     def choose(

@@ -1,0 +1,259 @@
+"""Policies: the registry, settings checked against the chosen policy, hooks, and retries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from gateway.config import ConfigError, RoutingSettings, load_config
+from loadtests.simulate import main as simulate_main
+from routing import Router, build_policy, policy_names, register
+from routing.policies import Policy, PolicySettings, PrefixAffinity, PrefixLookup, settings_names
+from routing.policies.base import decide
+from routing.prompt import render_chat
+from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
+from tests.conftest import ROOT
+
+REPLICAS = ["a", "b", "c", "d"]
+
+
+class RecordingSettings(PolicySettings):
+    first: str = Field("a", description="the replica chosen first")
+
+
+@register
+class Recording(Policy):
+    """Always `first`, the others in order as fallbacks; records every hook call."""
+
+    name = "test_recording"
+    Settings = RecordingSettings
+    settings: RecordingSettings
+
+    def __init__(self, settings: RecordingSettings | None = None) -> None:
+        super().__init__(settings)
+        self.events: list[tuple] = []
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaView],
+               lookup: PrefixLookup) -> Decision:
+        names = [r.name for r in replicas]
+        first = self.settings.first if self.settings.first in names else names[0]
+        return decide(request, lookup, first, "recorded", [n for n in names if n != first])
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        self.events.append(("routed", decision.replica, decision.reason))
+
+    def on_finished(self, decision: Decision, saw_first_token: bool) -> None:
+        self.events.append(("finished", decision.replica, saw_first_token))
+
+    def on_load_update(self, replica: str, inflight: int, pending_prefill_tokens: float) -> None:
+        self.events.append(("load", replica, inflight, round(pending_prefill_tokens)))
+
+
+def chat(system: str, user: str) -> str:
+    return render_chat({"messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": user}]})
+
+
+def idle(names: Sequence[str] = REPLICAS) -> list[ReplicaView]:
+    return [ReplicaView(name=n) for n in names]
+
+
+# -- the registry and settings ----------------------------------------------------------------
+
+
+def test_a_policy_registered_elsewhere_is_buildable_by_name_with_its_settings() -> None:
+    assert "test_recording" in policy_names()
+    policy = build_policy("test_recording", {"first": "c"})
+    assert isinstance(policy, Recording)
+    router = Router(REPLICAS, policy)
+    assert router.route(router.request_from_text("x" * 600), idle()).replica == "c"
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_load", "consistent_hash",
+                                  "prefix_affinity", "test_recording"])
+def test_an_unknown_setting_is_an_error_naming_it_the_policy_and_its_settings(name: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        build_policy(name, {"load_wieght": 1})
+    text = str(exc.value)
+    assert f"load_wieght: not a setting of policy {name}" in text
+    taken = settings_names(name)
+    assert (f"its settings: {', '.join(taken)}" if taken else "it takes no settings") in text
+
+
+def test_an_invalid_setting_is_an_error_naming_it() -> None:
+    with pytest.raises(ValueError, match="load_factor: invalid for policy prefix_affinity"):
+        build_policy("prefix_affinity", {"load_factor": 0.5})
+
+
+def test_an_unknown_policy_lists_the_registered_ones() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'nope'; choose one of consistent_hash"):
+        build_policy("nope")
+
+
+def test_the_gateway_defaults_are_the_policy_defaults() -> None:
+    # One source of truth: what a bare config routes with is what build_policy builds.
+    built = build_policy("prefix_affinity").settings.model_dump()
+    assert RoutingSettings().policy_settings() == built
+    assert build_policy("prefix_affinity").settings.load_allowance == 4
+
+
+CONFIG = """\
+routing:
+  policy: {policy}
+  load_factor: 1.5
+  load_weight: 0.7
+pools:
+  - name: rt
+    engine: vllm
+    models: [tiny]
+    replicas:
+      - {{name: a, url: "http://127.0.0.1:1"}}
+{pool_routing}traffic_classes:
+  - {{name: realtime, pool: rt}}
+classification: {{default_class: realtime}}
+"""
+
+
+def write(tmp_path: Path, policy: str, pool_routing: str = "") -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(CONFIG.format(policy=policy, pool_routing=pool_routing))
+    return path
+
+
+def test_a_setting_the_chosen_policy_does_not_take_is_named_with_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "consistent_hash")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert (f"{path}:4: routing.load_weight: not a setting of policy consistent_hash "
+            "(its settings: load_factor)") in str(exc.value)
+    assert "load_factor" not in str(exc.value).split("its settings")[0]
+
+
+def test_a_misspelt_policy_setting_is_an_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(write(tmp_path, "prefix_affinity").read_text()
+                    .replace("load_weight", "load_wieght"))
+    with pytest.raises(ConfigError, match=rf"{path}:4: routing.load_wieght: unknown key"):
+        load_config(path)
+
+
+def test_a_pool_block_is_checked_against_the_policy_it_inherits(tmp_path: Path) -> None:
+    # The pool names no policy: its block is for the global consistent_hash.
+    pool = "    routing:\n      load_allowance: 2\n"
+    text = CONFIG.format(policy="consistent_hash", pool_routing=pool).replace(
+        "  load_weight: 0.7\n", "")
+    target = tmp_path / "pool.yaml"
+    target.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(target)
+    assert (f"{target}:11: pools[0].routing.load_allowance: not a setting of policy "
+            "consistent_hash") in str(exc.value)
+
+
+def test_a_pool_choosing_another_policy_keeps_the_settings_it_shares(tmp_path: Path) -> None:
+    pool = "    routing:\n      policy: consistent_hash\n"
+    config = load_config(write(tmp_path, "prefix_affinity", pool))
+    merged = config.routing_for(config.pools[0])
+    # load_weight is prefix_affinity's alone: left behind, not an error; load_factor is shared.
+    assert merged.policy == "consistent_hash"
+    assert merged.policy_settings() == {"load_factor": 1.5}
+    assert config.routing.policy_settings()["load_weight"] == 0.7
+
+
+def test_a_policy_registered_elsewhere_is_configurable(tmp_path: Path) -> None:
+    text = CONFIG.format(policy="test_recording", pool_routing="").replace(
+        "  load_factor: 1.5\n  load_weight: 0.7\n", "  first: b\n")
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    assert load_config(path).routing.policy_settings() == {"first": "b"}
+
+
+def test_the_example_config_keeps_its_flat_policy_settings() -> None:
+    config = load_config(ROOT / "deploy" / "examples" / "gateway.yaml")
+    batch = next(p for p in config.pools if p.name == "batch")
+    assert config.routing_for(batch).policy_settings()["load_factor"] == 1.5
+    assert config.routing.policy_settings()["load_factor"] == 1.25
+
+
+@pytest.mark.parametrize("argv", [
+    ["--policy", "round_robin", "--set", "load_weight=1"],  # prefix_affinity's, not its
+    ["--policy", "all", "--set", "load_wieght=1"],  # nobody's
+    ["--policy", "prefix_affinity", "--set", "policy=round_robin"],  # --policy says that
+])
+def test_the_simulator_rejects_a_setting_the_policy_does_not_take(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        simulate_main(["--workload", "hot_prompt", "--limit", "5", *argv])
+    assert exc.value.code == 2
+    key = argv[-1].split("=")[0]
+    assert f"--set {key}: not a setting of the router" in capsys.readouterr().err
+
+
+# -- the router's events and hooks --------------------------------------------------------------
+
+
+def test_hooks_see_every_step_of_a_request() -> None:
+    policy = build_policy("test_recording")
+    router = Router(REPLICAS, policy, prefill_tokens_per_s=1000.0)
+    request = router.request_from_text("y" * 1200)  # 300 tokens at 4 characters per token
+    decision = router.route(request, idle())
+    router.dispatched(decision)
+    router.chunk("a", 1.0)
+    router.first_token(decision, now=1.5, sent_at=1.0)
+    router.finished(decision, saw_first_token=True)
+    assert policy.events == [
+        ("routed", "a", "recorded"),
+        ("load", "a", 1, 300),
+        ("load", "a", 1, 0),
+        ("finished", "a", True),
+        ("load", "a", 0, 0),
+    ]
+    assert router.load.inflight["a"] == 0
+
+
+def test_reroute_prices_the_retry_on_the_new_replica_and_records_it_there() -> None:
+    policy = build_policy("test_recording")
+    router = Router(REPLICAS, policy, block_chars=128)
+    system = "s" * 2048  # 16 blocks that "c" already holds
+    router.route(router.request_from_text(chat(system, "earlier")), idle(["c"]))
+    request = router.request_from_text(chat(system, "now" * 100))
+    first = router.route(request, idle())
+    assert first.replica == "a" and first.fallbacks == ["b", "c", "d"]
+
+    retry = router.reroute(request, first, "c")
+    held = router.matched_blocks("b", request.hashes)  # unchanged by the retry on "c"
+    assert held == 0
+    assert retry.replica == "c"
+    assert retry.reason == REASON_RETRY
+    assert retry.fallbacks == ["b", "d"]
+    assert retry.total_blocks == len(request.hashes)
+    assert 16 <= retry.matched_blocks < len(request.hashes)
+    assert retry.uncached_tokens == pytest.approx(
+        request.prompt_tokens - retry.matched_blocks * request.block_tokens)
+    # Recorded as sent there: the whole prompt now matches on "c".
+    assert router.matched_blocks("c", request.hashes) == len(request.hashes)
+    assert policy.events[-1] == ("routed", "c", REASON_RETRY)
+
+
+def balanced_choice_after(reroute: bool) -> str:
+    """Where prefix_affinity sends a cold prompt after a request was retried, or not."""
+    router = Router(["x", "y"], PrefixAffinity(), block_chars=128)
+    half = "h" * 4096
+    big = router.request_from_text(half + "t" * 4096)
+    router.record("x", router.request_from_text(half).hashes)  # "x" holds half of it
+    first = router.route(big, idle(["x", "y"]))
+    assert first.replica == "x"  # the longest match
+    if reroute:
+        router.reroute(big, first, "y")  # "y" now computes the whole prompt
+    cold = router.request_from_text("c" * 2048)
+    return router.route(cold, idle(["x", "y"])).replica
+
+
+def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
+    # Ties between equally cold replicas go to the one with the least recent prefill: "y",
+    # which got none, unless the retry's whole prompt is counted there.
+    assert balanced_choice_after(reroute=False) == "y"
+    assert balanced_choice_after(reroute=True) == "x"
