@@ -23,8 +23,9 @@ class GatewayMetrics:
         r = self.registry
         rl = ("pool", "replica", "traffic_class")
         self.requests = Counter(
-            "gateway_requests", "Requests finished, by replica and HTTP status ('error' when the "
-            "client got no status from a replica).", (*rl, "status"), registry=r)
+            "gateway_requests", "Requests finished, by replica and the HTTP status the client got "
+            "(499: the client left first; replica 'none' with 503: no healthy replica).",
+            (*rl, "status"), registry=r)
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds", "Time from request arrival at the gateway to "
             "the first content token leaving the replica, measured at the gateway.", rl,
