@@ -182,7 +182,7 @@ class RequestCore:
             resp.release()
             attempt.end(Outcome.TRY_ANOTHER)
             return _Failure(detail)
-        link.upstream = resp
+        link.attach(resp)
         extra = self._route_headers(pool, replica, decision)
         streamed = False
         try:

@@ -69,3 +69,9 @@ class ClientLink:
         self.gone = True
         if self.upstream is not None:
             self.upstream.abort()
+
+    def attach(self, upstream: UpstreamResponse) -> None:
+        """The response now being read; dropped at once if the client has already left."""
+        self.upstream = upstream
+        if self.gone:
+            upstream.abort()

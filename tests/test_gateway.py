@@ -407,3 +407,78 @@ async def test_without_internal_streaming_the_body_passes_through_untouched() ->
         r = await gw.http.post("/v1/completions", content=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert seen == [body]
+
+
+def hanging_stream(closed: asyncio.Event) -> Callable[..., Awaitable[HandlerResponse]]:
+    """A replica that sends one SSE chunk, then nothing until its connection is dropped."""
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+
+        async def chunks():
+            try:
+                event = {"id": "x", "object": "text_completion", "model": "tiny",
+                         "choices": [{"index": 0, "text": "t0", "finish_reason": None}]}
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+                await asyncio.Event().wait()
+            finally:
+                closed.set()
+
+        return HandlerResponse(200, chunks(), {"content-type": "text/event-stream"})
+
+    return handle
+
+
+async def asgi_request(app, path: str, body: bytes, leave: asyncio.Event) -> list[dict]:
+    """Drive the ASGI app as a server would, for a client that disconnects once `leave` is
+    set; returns the messages the app sent."""
+    sent: list[dict] = []
+    body_sent = False
+
+    async def receive() -> dict:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [
+        (b"content-type", b"application/json")], "query_string": b""}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize(("stream", "internal_stream"), [(True, True), (False, True),
+                                                         (False, False)])
+async def test_a_client_that_leaves_cancels_the_upstream_request(stream: bool,
+                                                                 internal_stream: bool) -> None:
+    closed = asyncio.Event()
+    config = one_replica(non_streaming_ttft=internal_stream)
+    async with gateway(config, handlers={"rt-0": hanging_stream(closed)}) as gw:
+        leave = asyncio.Event()
+        body = orjson.dumps({"model": "tiny", "prompt": "x", "stream": stream})
+        request = asyncio.create_task(asgi_request(gw.app, "/v1/completions", body, leave))
+
+        async def started() -> bool:
+            return sample(await gw.metrics(), "gateway_inflight_requests") == 1
+
+        await eventually(started)
+        leave.set()
+        sent = await asyncio.wait_for(request, 10)
+        await asyncio.wait_for(closed.wait(), 10)  # the replica's stream was closed
+        samples = await gw.metrics()
+        assert sample(samples, "gateway_requests_total", replica="rt-0", status="499") == 1
+        assert sample(samples, "gateway_inflight_requests") == 0
+        assert gw.app.state.pools[0].load.inflight == {"rt-0": 0}
+        if stream:  # the client had the headers and the first chunk
+            assert sent[0]["status"] == 200 and b"t0" in sent[1]["body"]
+        else:  # nothing was sent to a client that is gone
+            assert sent == []

@@ -45,7 +45,7 @@ class InProcessResponse:
         self._read_timeout = read_timeout
         self._aborted = False
         self._iter: AsyncIterator[bytes] | None = None
-        self.aborts = 0
+        self._reading: asyncio.Future[bytes] | None = None
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         if isinstance(self._body, bytes):
@@ -56,10 +56,17 @@ class InProcessResponse:
         while True:
             if self._aborted:
                 raise ReadFailed("ClientConnectionError: connection closed")
+            # A task per read, so that abort() can interrupt a handler that is waiting.
+            self._reading = asyncio.ensure_future(
+                asyncio.wait_for(anext(self._iter), self._read_timeout))
             try:
-                chunk = await asyncio.wait_for(anext(self._iter), self._read_timeout)
+                chunk = await self._reading
             except StopAsyncIteration:
                 return
+            except asyncio.CancelledError:
+                if self._aborted:
+                    raise ReadFailed("ClientConnectionError: connection closed") from None
+                raise
             except TimeoutError:
                 raise ReadFailed("TimeoutError: no byte within the read timeout",
                                  timed_out=True) from None
@@ -67,8 +74,8 @@ class InProcessResponse:
                 raise
             except Exception as exc:  # a handler that breaks mid-body is a broken connection
                 raise ReadFailed(f"ClientPayloadError: {type(exc).__name__}: {exc}") from None
-            if self._aborted:
-                raise ReadFailed("ClientConnectionError: connection closed")
+            finally:
+                self._reading = None
             yield chunk
 
     def chunks(self) -> AsyncIterator[bytes]:
@@ -78,15 +85,18 @@ class InProcessResponse:
         return b"".join([c async for c in self._chunks()])
 
     def abort(self) -> None:
+        """Drop the connection: a read in progress fails, the handler's body is closed."""
         self._aborted = True
-        self.aborts += 1
-        self._close_body()
+        if self._reading is not None:
+            self._reading.cancel()  # runs the handler's `finally`, as a dropped socket would
+        else:
+            self._close_body()
 
     def release(self) -> None:
-        self._close_body()
+        if self._reading is None:
+            self._close_body()
 
     def _close_body(self) -> None:
-        # Closing the handler's generator runs its `finally`, as a dropped connection would.
         closer = getattr(self._iter, "aclose", None) or getattr(self._body, "aclose", None)
         if closer is not None:
             task = asyncio.ensure_future(closer())
