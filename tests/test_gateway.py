@@ -482,3 +482,33 @@ async def test_a_client_that_leaves_cancels_the_upstream_request(stream: bool,
             assert sent[0]["status"] == 200 and b"t0" in sent[1]["body"]
         else:  # nothing was sent to a client that is gone
             assert sent == []
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_a_non_streaming_answer_rebuilt_from_the_stream_matches_the_engines(
+        chat: bool) -> None:
+    async with gateway(two_pools(realtime=1, batch=1)) as gw:
+        if chat:
+            path = "/v1/chat/completions"
+            body = {"model": "tiny", "max_tokens": 7,
+                    "messages": [{"role": "user", "content": "Tell me about caches."}]}
+        else:
+            path = "/v1/completions"
+            body = {"model": "tiny", "max_tokens": 7, "prompt": "Tell me about caches."}
+        via_gateway = (await gw.http.post(path, json=body)).json()
+        direct = orjson.loads((await gw.sims["rt-0"].handle(
+            "POST", path, {}, orjson.dumps(body))).body)
+        assert via_gateway["object"] == direct["object"]
+        assert via_gateway["usage"]["completion_tokens"] == 7
+        assert via_gateway["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+        got, want = via_gateway["choices"][0], direct["choices"][0]
+        assert got["finish_reason"] == want["finish_reason"] == "length"
+        if chat:
+            assert got["message"]["content"] == want["message"]["content"]
+            assert got["message"]["role"] == "assistant"
+        else:
+            assert got["text"] == want["text"]
+        # The engine got a stream; the gateway timed it.
+        samples = await gw.metrics()
+        assert sample(samples, "gateway_time_to_first_token_seconds_count", pool="realtime") == 1
+        assert sample(samples, "gateway_time_per_output_token_seconds_count") == 1
