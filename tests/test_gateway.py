@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import openai
 import orjson
 import pytest
 
-from backends.upstream.inprocess import HandlerResponse
+from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.stats import render_table
 from tests.inprocess import Harness, gateway, sim_handler, two_pools
 
@@ -324,7 +324,10 @@ async def test_replica_leaves_and_rejoins_rotation() -> None:
 
 
 async def test_refused_connections_are_retried_and_the_error_names_no_address() -> None:
-    async with gateway(two_pools(realtime=2, batch=1)) as gw:
+    config = two_pools(realtime=2, batch=1)
+    for pool in config["pools"]:  # slow probes: the request path must notice by itself
+        pool["health"] = {**pool["health"], "interval_s": 30}
+    async with gateway(config) as gw:
         gw.upstream.unmount(gw.urls["rt-0"])  # refuses connections, as a stopped process does
         c = gw.openai()
         for i in range(4):
@@ -334,13 +337,19 @@ async def test_refused_connections_are_retried_and_the_error_names_no_address() 
             assert raw.headers["x-gateway-replica"] == "rt-1"
         gw.upstream.unmount(gw.urls["rt-1"])
         r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert r.status_code in (502, 503)
-        assert r.json()["error"]["type"] in ("upstream_error", "service_unavailable")
+        assert r.status_code == 502
+        assert r.json()["error"]["type"] == "upstream_error"
         assert ".test:8000" not in r.text
 
 
-def broken_stream(after: int) -> Callable[..., Awaitable[HandlerResponse]]:
-    """A replica that streams `after` SSE chunks, then drops the connection."""
+def sse_event(text: str) -> bytes:
+    event = {"id": "x", "object": "text_completion", "model": "tiny",
+             "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def sse_replica(stream: Callable[[], AsyncIterator[bytes]]) -> Handler:
+    """A replica that is healthy, has no metrics, and answers every request with `stream()`."""
 
     async def handle(method: str, target: str, headers: Mapping[str, str],
                      body: bytes) -> HandlerResponse:
@@ -348,17 +357,33 @@ def broken_stream(after: int) -> Callable[..., Awaitable[HandlerResponse]]:
             return HandlerResponse(200)
         if target == "/metrics":
             return HandlerResponse(404)
-
-        async def chunks():
-            for i in range(after):
-                event = {"id": "x", "object": "text_completion", "model": "tiny",
-                         "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
-                yield b"data: " + orjson.dumps(event) + b"\n\n"
-            raise ConnectionResetError("replica died")
-
-        return HandlerResponse(200, chunks(), {"content-type": "text/event-stream"})
+        return HandlerResponse(200, stream(), {"content-type": "text/event-stream"})
 
     return handle
+
+
+def broken_stream(after: int) -> Handler:
+    """A replica that streams `after` SSE chunks, then drops the connection."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(after):
+            yield sse_event(f"t{i}")
+        raise ConnectionResetError("replica died")
+
+    return sse_replica(chunks)
+
+
+def hanging_stream(closed: asyncio.Event) -> Handler:
+    """A replica that sends one SSE chunk, then nothing until its connection is dropped."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            yield sse_event("t0")
+            await asyncio.Event().wait()
+        finally:
+            closed.set()
+
+    return sse_replica(chunks)
 
 
 def one_replica(**server: Any) -> dict[str, Any]:
@@ -407,30 +432,6 @@ async def test_without_internal_streaming_the_body_passes_through_untouched() ->
         r = await gw.http.post("/v1/completions", content=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert seen == [body]
-
-
-def hanging_stream(closed: asyncio.Event) -> Callable[..., Awaitable[HandlerResponse]]:
-    """A replica that sends one SSE chunk, then nothing until its connection is dropped."""
-
-    async def handle(method: str, target: str, headers: Mapping[str, str],
-                     body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
-
-        async def chunks():
-            try:
-                event = {"id": "x", "object": "text_completion", "model": "tiny",
-                         "choices": [{"index": 0, "text": "t0", "finish_reason": None}]}
-                yield b"data: " + orjson.dumps(event) + b"\n\n"
-                await asyncio.Event().wait()
-            finally:
-                closed.set()
-
-        return HandlerResponse(200, chunks(), {"content-type": "text/event-stream"})
-
-    return handle
 
 
 async def asgi_request(app, path: str, body: bytes, leave: asyncio.Event) -> list[dict]:
