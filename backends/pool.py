@@ -153,17 +153,12 @@ class Pool:
                 views.append(v)
         return views
 
-    async def routing_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
-                              text: str, traffic_class: str) -> RoutingRequest:
-        """Hash the prompt: the engine's own tokens when configured and available, else the
-        canonical text in character blocks."""
-        if self.spec.hashing == "engine_tokens":
-            request = await self._token_request(upstream, payload, chat, traffic_class)
-            if request is not None:
-                return request
-        return self.router.request_from_text(text, traffic_class)
+    @property
+    def hashes_engine_tokens(self) -> bool:
+        """Prompts are hashed as the engine's own tokens (else as character blocks)."""
+        return self.spec.hashing == "engine_tokens"
 
-    async def _token_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
+    async def token_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
                              traffic_class: str) -> RoutingRequest | None:
         """Tokenise on a healthy replica; None when none can (the caller falls back to chars).
 

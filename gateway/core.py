@@ -101,8 +101,12 @@ class RequestCore:
                     f"traffic class {cls!r}." if others else
                     f" Available models: {state.models}.")
             raise model_not_found(model, hint)
-        text = render_chat(payload) if request.chat else render_completion(payload)
-        routing = await pool.routing_request(state.upstream, payload, request.chat, text, cls)
+        routing = None
+        if pool.hashes_engine_tokens:
+            routing = await pool.token_request(state.upstream, payload, request.chat, cls)
+        if routing is None:  # character blocks: no tokenizer needed, no round trip
+            text = render_chat(payload) if request.chat else render_completion(payload)
+            routing = pool.router.request_from_text(text, cls)
         body = request.body
         assemble = False
         if not request.stream and self.internal_stream:

@@ -513,3 +513,25 @@ async def test_a_non_streaming_answer_rebuilt_from_the_stream_matches_the_engine
         samples = await gw.metrics()
         assert sample(samples, "gateway_time_to_first_token_seconds_count", pool="realtime") == 1
         assert sample(samples, "gateway_time_per_output_token_seconds_count") == 1
+
+
+async def test_engine_token_hashing_asks_the_engine_and_falls_back_to_characters() -> None:
+    async with gateway(two_pools(realtime=2, batch=1, hashing="engine_tokens")) as gw:
+        c = gw.openai()
+        system = tenant_prompt(3)
+        reasons = []
+        for u in range(3):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="tiny", max_tokens=2, messages=[
+                    {"role": "system", "content": system}, {"role": "user", "content": str(u)}])
+            reasons.append(raw.headers["x-gateway-route-reason"])
+        assert reasons == ["cold", "affinity", "affinity"]
+        tokenized = [url for method, url in gw.upstream.requests if url.endswith("/tokenize")]
+        assert len(tokenized) == 3
+        # Token ids need no tokenizer: no round trip.
+        await c.completions.create(model="tiny", prompt=list(range(400)), max_tokens=1)
+        assert sum(url.endswith("/tokenize") for _, url in gw.upstream.requests) == 3
+        # trtllm-serve has no /tokenize: the batch pool hashes characters and still routes.
+        raw = await gw.openai(default_headers={"x-traffic-class": "batch"}) \
+            .completions.with_raw_response.create(model="tiny", prompt=system, max_tokens=1)
+        assert raw.headers["x-gateway-replica"] == "bt-0"
