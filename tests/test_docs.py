@@ -1,5 +1,6 @@
-"""The docs keep up with the code: every configuration key is documented with its default, and
-every relative link in README.md and docs/ leads to a file that exists."""
+"""The docs keep up with the code: every configuration key and policy setting is documented
+with its default, every metric with its type and labels, and every relative link in README.md
+and docs/ leads to a file (and section) that exists."""
 
 from __future__ import annotations
 
@@ -184,3 +185,26 @@ def test_the_link_check_sees_links(tmp_path: Path) -> None:
     assert relative_links(ROOT / "README.md"), "README.md links to docs/"
     assert {"the-gateways-own-cost-overhead", "failover-retries-and-resends"} <= \
         anchors(ROOT / "docs" / "benchmarks.md") | anchors(ROOT / "docs" / "operating.md")
+
+
+# Metrics reference ------------------------------------------------------------------------------
+
+
+def test_every_metric_is_in_the_operating_reference_as_exported_with_its_labels() -> None:
+    from gateway.metrics import GatewayMetrics
+
+    rows = {row.split("|")[1].strip(" `"): row for row in
+            re.findall(r"^\| `gateway_\w+` \|.*$", (ROOT / "docs" / "operating.md").read_text(),
+                       flags=re.M)}
+    exported = {}
+    for metric in vars(GatewayMetrics()).values():
+        if hasattr(metric, "describe"):
+            (family,) = metric.describe()
+            name = family.name + ("_total" if family.type == "counter" else "")
+            # prometheus_client keeps a metric's label names only in this attribute.
+            exported[name] = (family.type, set(metric._labelnames))
+    assert set(rows) == set(exported)
+    for name, (kind, labels) in exported.items():
+        cells = [c.strip() for c in rows[name].split("|")]
+        assert cells[2] == kind, name
+        assert {x.strip() for x in cells[3].split(",")} == labels, name
