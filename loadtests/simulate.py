@@ -48,10 +48,13 @@ from loadtests.traces import (
 from loadtests.ttft_bound import TtftBounds, ttft_bounds
 from routing import Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
-from routing.policies import Policy, settings_names
+from routing.policies import Policy, policy_names, settings_names
 from routing.types import Decision
 
-GATEWAY_POLICIES = ("round_robin", "least_load", "consistent_hash", "prefix_affinity")
+# The built-in policies in the order reports list them, then any other registered policy.
+_REPORT_ORDER = ("round_robin", "least_load", "consistent_hash", "prefix_affinity")
+GATEWAY_POLICIES = (*(p for p in _REPORT_ORDER if p in policy_names()),
+                    *sorted(set(policy_names()) - set(_REPORT_ORDER)))
 REFERENCE_POLICIES = ("sglang_cache_aware", "oracle")
 ALL_POLICIES = (*GATEWAY_POLICIES, *REFERENCE_POLICIES)
 
