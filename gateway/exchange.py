@@ -59,13 +59,28 @@ class ClientLink:
     being read, so that it is dropped at once and the engine stops generating.
     """
 
-    __slots__ = ("gone", "upstream")
+    __slots__ = ("_upstream", "gone")
 
     def __init__(self) -> None:
         self.gone = False
-        self.upstream: UpstreamResponse | None = None
+        self._upstream: UpstreamResponse | None = None
+
+    @property
+    def upstream(self) -> UpstreamResponse | None:
+        return self._upstream
+
+    @upstream.setter
+    def upstream(self, resp: UpstreamResponse | None) -> None:
+        self._upstream = resp
+        if resp is not None:
+            self.watch()
+
+    def watch(self) -> None:
+        """An upstream response is now registered (maybe again, on a retry): a subclass
+        starts listening for its client here. Not sooner: until then a disconnect has nothing
+        to drop, and most requests end before the listener would ever run."""
 
     def client_gone(self) -> None:
         self.gone = True
-        if self.upstream is not None:
-            self.upstream.abort()
+        if self._upstream is not None:
+            self._upstream.abort()
