@@ -86,8 +86,7 @@ class InferenceEndpoint:
             return
         request = InferenceRequest(self.path, self.chat, payload, body, model, stream,
                                    dict(scope["headers"]), received_at=received_at)
-        link = ClientLink()
-        watcher = asyncio.create_task(_watch_disconnect(receive, link))
+        link = EdgeLink(receive)
         try:
             reply = await self.core.handle(request, link)
             if link.gone:
@@ -96,13 +95,33 @@ class InferenceEndpoint:
                 return
             await send_reply(send, reply)
         finally:
-            watcher.cancel()
+            link.stop()
 
 
-async def _watch_disconnect(receive, link: ClientLink) -> None:
-    """Tell the core when the client goes away, so the engine stops generating for nobody."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            link.client_gone()
-            return
+class EdgeLink(ClientLink):
+    """A ClientLink that listens for the ASGI client's disconnect, from the moment the core
+    registers an upstream response until the reply is sent."""
+
+    __slots__ = ("_receive", "_watcher")
+
+    def __init__(self, receive) -> None:
+        super().__init__()
+        self._receive = receive
+        self._watcher: asyncio.Task | None = None
+
+    def watch(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._listen())
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _listen(self) -> None:
+        """Tell the core when the client goes away, so the engine stops generating for
+        nobody."""
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.client_gone()
+                return

@@ -55,7 +55,7 @@ class Reply:
 class ClientLink:
     """The request's tie to its client: tells the core when the client has gone away.
 
-    The edge calls `client_gone()` on a disconnect; the core registers the upstream response
+    The edge calls `client_gone()` on a disconnect; the core attaches the upstream response
     being read, so that it is dropped at once and the engine stops generating.
     """
 
@@ -64,6 +64,11 @@ class ClientLink:
     def __init__(self) -> None:
         self.gone = False
         self.upstream: UpstreamResponse | None = None
+
+    def watch(self) -> None:
+        """An upstream response is now attached (maybe again, on a retry): a subclass starts
+        listening for its client here. Not sooner: until then a disconnect has nothing to
+        drop, and most requests end before a listener would ever run."""
 
     def client_gone(self) -> None:
         self.gone = True
@@ -75,3 +80,5 @@ class ClientLink:
         self.upstream = upstream
         if self.gone:
             upstream.abort()
+        else:
+            self.watch()

@@ -4,8 +4,13 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
+With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
+this one, and every repetition runs direct, baseline and current in a rotating order; the
+table then puts baseline and current side by side with their ratio.
+
     python -m loadtests.overhead        # the full run: about 3 minutes of measurement
     python -m loadtests.overhead --duration 1 --reps 1 --rates 200   # a quick check
+    python -m loadtests.overhead --baseline-root ../old   # A/B against another checkout
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import aiohttp
 import orjson
 
 from loadtests.fleet import REPO, Fleet, use_uvloop
-from loadtests.report import span
+from loadtests.report import cell, span
 from loadtests.stats import median, nearest_rank
 
 SERVER_CORE = 0  # gateway (or proxy) and the stubs share this core
@@ -172,49 +177,81 @@ async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: fl
 
 
 @contextlib.contextmanager
-def fleet(count: int, internal_stream: bool = True) -> Iterator[dict]:
-    """Stubs and a gateway in front of them, all on the server core; stopped on exit."""
+def fleet(count: int, internal_stream: bool = True,
+          baseline_root: Path | None = None) -> Iterator[dict]:
+    """Stubs and a gateway in front of them (and one from `baseline_root`, when given), all on
+    the server core; stopped on exit."""
     with Fleet() as f:
         stub, urls = f.start_stubs(count, core=SERVER_CORE)
         gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream)
-        yield {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
+        out = {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
+        if baseline_root is not None:
+            base, base_url = start_gateway(f, urls, "baseline", internal_stream=internal_stream,
+                                           root=baseline_root)
+            out.update(baseline=base, baseline_url=base_url)
+        yield out
+
+
+def rotation(reps: int, variants: list[str]) -> Iterator[tuple[int, str]]:
+    """(rep, variant): every repetition runs each variant once, the order rotated by one each
+    time (A B C, B C A, C A B, ...; with two variants A B, B A), so none always goes first."""
+    n = len(variants)
+    for r in range(reps):
+        for v in variants[r % n:] + variants[:r % n]:
+            yield r, v
 
 
 def interleave(reps: int, variants: list[str], fn: Callable[[str, int], None]) -> None:
-    """A, B, A, B, ...: every repetition runs each variant once, alternating the order."""
-    for r in range(reps):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for v in order:
-            fn(v, r)
+    """Run `fn(variant, rep)` in `rotation` order."""
+    for r, v in rotation(reps, variants):
+        fn(v, r)
+
+
+def record(run: Run, gateway_cpu_s: float | None, stream: bool) -> dict:
+    """One measurement as the results keep it (milliseconds; TTFTs only for streams)."""
+    return {"rps": run.rps, "ok": run.ok, "errors": run.errors,
+            "cpu_ms_per_req": 1000 * run.cpu / max(1, run.ok),
+            "gateway_cpu_ms_per_req": 1000 * gateway_cpu_s / max(1, run.ok)
+            if gateway_cpu_s is not None else 0.0,
+            "p50_ms": 1000 * run.pct(0.5), "p99_ms": 1000 * run.pct(0.99),
+            "ttft_p50_ms": 1000 * run.pct(0.5, True) if stream else None,
+            "ttft_p99_ms": 1000 * run.pct(0.99, True) if stream else None}
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Every measurement of every target, interleaved; with a baseline the gateway targets
+    are "baseline" and "current", else "gateway"."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
-    with fleet(args.replicas, not args.no_internal_stream) as f:
-        targets = {
-            # Direct: the load generator talks to the stubs itself, round robin over them.
-            "direct": ([u + "/v1/chat/completions" for u in f["urls"]], [f["stub"].pid]),
-            "gateway": ([f["gateway_url"] + "/v1/chat/completions"],
-                        [f["gateway"].pid, f["stub"].pid]),
-        }
-        gw_pid = f["gateway"].pid
+    baseline_root = args.baseline_root.resolve() if args.baseline_root else None
+    with fleet(args.replicas, not args.no_internal_stream, baseline_root) as f:
+        stub_pid = f["stub"].pid
+        # name: (URLs round robin, PIDs whose CPU counts, the gateway's PID or None).
+        # Direct: the load generator talks to the stubs itself, round robin over them.
+        targets: dict[str, tuple[list[str], list[int], int | None]] = {
+            "direct": ([u + "/v1/chat/completions" for u in f["urls"]], [stub_pid], None)}
+        gateways = [("baseline", "baseline"), ("current", "gateway")] if baseline_root \
+            else [("gateway", "gateway")]
+        for name, key in gateways:
+            pid = f[key].pid
+            targets[name] = ([f[f"{key}_url"] + "/v1/chat/completions"], [pid, stub_pid], pid)
+
+        def run_one(fn, target: str, stream: bool, bodies: list[bytes],
+                    *rest) -> tuple[Run, dict]:
+            urls, pids, gw_pid = targets[target]
+            g0 = cpu_seconds(gw_pid) if gw_pid else 0.0
+            run = _run_sync(fn, urls, bodies, stream, *rest, pids)
+            gcpu = cpu_seconds(gw_pid) - g0 if gw_pid else None
+            return run, record(run, gcpu, stream)
+
         for stream in (False, True):
             bodies = request_bodies(stream=stream)
             mode = "stream" if stream else "non-stream"
 
             def run_closed(target: str, _r: int, stream: bool = stream, bodies=bodies,
                            mode: str = mode) -> None:
-                urls, pids = targets[target]
-                g0 = cpu_seconds(gw_pid)
-                run = _run_sync(closed_loop, urls, bodies, stream, args.concurrency,
-                                args.duration, pids)
-                gcpu = cpu_seconds(gw_pid) - g0
-                rec = results["closed"].setdefault(mode, {}).setdefault(target, [])
-                rec.append({"rps": run.rps, "ok": run.ok, "errors": run.errors,
-                            "cpu_ms_per_req": 1000 * run.cpu / max(1, run.ok),
-                            "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok)
-                            if target == "gateway" else 0.0,
-                            "p50_ms": 1000 * run.pct(0.5)})
+                run, rec = run_one(closed_loop, target, stream, bodies, args.concurrency,
+                                   args.duration)
+                results["closed"].setdefault(mode, {}).setdefault(target, []).append(rec)
                 print(f"  closed c={args.concurrency} {mode:10} {target:8} {run.rps:8.0f} req/s"
                       f"  errors {run.errors}", file=sys.stderr, flush=True)
 
@@ -222,18 +259,9 @@ def measure(args: argparse.Namespace) -> dict:
             for rate in args.rates:
                 def run_open(target: str, _r: int, stream: bool = stream, bodies=bodies,
                              mode: str = mode, rate: float = rate) -> None:
-                    urls, pids = targets[target]
-                    g0 = cpu_seconds(gw_pid)
-                    run = _run_sync(open_loop, urls, bodies, stream, rate, args.duration, pids)
-                    gcpu = cpu_seconds(gw_pid) - g0
-                    rec = results["open"].setdefault(f"{mode}@{rate:g}", {}).setdefault(
-                        target, [])
-                    rec.append({"p50_ms": 1000 * run.pct(0.5), "p99_ms": 1000 * run.pct(0.99),
-                                "ttft_p50_ms": 1000 * run.pct(0.5, True) if stream else None,
-                                "ttft_p99_ms": 1000 * run.pct(0.99, True) if stream else None,
-                                "ok": run.ok, "errors": run.errors,
-                                "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok)
-                                if target == "gateway" else 0.0})
+                    run, rec = run_one(open_loop, target, stream, bodies, rate, args.duration)
+                    results["open"].setdefault(f"{mode}@{rate:g}", {}).setdefault(
+                        target, []).append(rec)
                     print(f"  open {rate:g}/s {mode:10} {target:8} p50 {1000 * run.pct(0.5):.2f}"
                           f" ms  p99 {1000 * run.pct(0.99):.2f} ms  errors {run.errors}",
                           file=sys.stderr, flush=True)
@@ -301,6 +329,67 @@ def print_table(s: dict, args: argparse.Namespace) -> None:
                   f"{row['gateway_cpu_ms_per_req']:14.3f}")
 
 
+AB_GATEWAYS = ("baseline", "current")
+
+
+def _added(direct: list[dict], gw: list[dict], metric: str) -> list[float]:
+    """Gateway minus direct, per interleaved repetition."""
+    return [g[metric] - d[metric] for d, g in zip(direct, gw, strict=False)]
+
+
+def summarise_ab(res: dict) -> list[dict]:
+    """One row per (measurement, metric): the median over repetitions and the [min..max] of
+    each gateway. Added latency is over direct, paired by repetition; streams count TTFT."""
+    rows: list[dict] = []
+    sections = [(f"closed {mode}", by) for mode, by in res["closed"].items()]
+    sections += [(f"open {key}/s", by) for key, by in res["open"].items()]
+    for name, by in sections:
+        stream = by["direct"][0]["ttft_p50_ms"] is not None
+        lat = "TTFT" if stream else "latency"
+        metrics: list[tuple[str, Callable[[list[dict], list[dict]], list[float]]]] = [
+            ("req/s", lambda d, g: [x["rps"] for x in g]),
+            (f"added {lat} p50 ms", lambda d, g, m=("ttft_p50_ms" if stream else "p50_ms"):
+                _added(d, g, m)),
+            (f"added {lat} p99 ms", lambda d, g, m=("ttft_p99_ms" if stream else "p99_ms"):
+                _added(d, g, m)),
+            ("gw CPU-ms/req", lambda d, g: [x["gateway_cpu_ms_per_req"] for x in g]),
+        ]
+        errors = {gw: sum(x["errors"] for x in by[gw]) for gw in AB_GATEWAYS}
+        for label, values in metrics:
+            row: dict = {"measurement": name, "metric": label, "errors": errors}
+            for gw in AB_GATEWAYS:
+                xs = values(by["direct"], by[gw])
+                row[gw] = {"median": median(xs), "spread": span(xs)}
+            b, c = row["baseline"]["median"], row["current"]["median"]
+            row["ratio"] = c / b if b and b > 0 and c is not None else None
+            rows.append(row)
+    return rows
+
+
+def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"\nbaseline ({args.baseline_root}) vs current gateway; closed loop c="
+             f"{args.concurrency}, open loop at each rate; {args.duration:g}s x {args.reps} reps "
+             "interleaved with direct (median [min..max]; added = gateway - direct per rep)",
+             f"{'measurement':22} {'metric':20} {'baseline':>28} {'current':>28} "
+             f"{'current/baseline':>17}"]
+    last = None
+    for row in rows:
+        name = row["measurement"] if row["measurement"] != last else ""
+        last = row["measurement"]
+        cells = []
+        for gw in AB_GATEWAYS:
+            m = row[gw]["median"]
+            fmt = "{:.0f}" if row["metric"] == "req/s" else "{:.3f}" \
+                if row["metric"].startswith("gw CPU") else "{:+.2f}"
+            cells.append(f"{cell(m, fmt):>9} [{row[gw]['spread']:>15}]")
+        ratio = cell(row["ratio"], "{:.2f}")
+        lines.append(f"{name:22} {row['metric']:20} {cells[0]:>28} {cells[1]:>28} {ratio:>17}")
+    errors = {gw: sum(r["errors"][gw] for r in rows if r["metric"] == "req/s")
+              for gw in AB_GATEWAYS}
+    lines.append(f"errors: baseline {errors['baseline']}, current {errors['current']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,12 +401,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-internal-stream", action="store_true",
                     help="gateway config non_streaming_ttft: false (plain non-stream forward)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--baseline-root", type=Path, metavar="DIR",
+                    help="also run a gateway from the checkout in DIR (its own code) and "
+                         "compare it with this one, interleaved")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.duration <= 0:
         ap.error("--reps must be at least 1 and --duration positive")
+    if args.baseline_root and not (args.baseline_root / "gateway" / "cli.py").is_file():
+        ap.error(f"--baseline-root {args.baseline_root}: no gateway/cli.py there")
     pin_self(CLIENT_CORE)
     use_uvloop()
     res = measure(args)
+    if args.baseline_root:
+        rows = summarise_ab(res)
+        if args.json:
+            print(json.dumps({"summary": rows, "raw": res}, indent=1, default=str))
+        else:
+            print(format_ab_table(rows, args))
+        return 0
     s = summarise(res)
     if args.json:
         print(json.dumps({"summary": s, "raw": res}, indent=1, default=str))

@@ -36,6 +36,8 @@ class Router:
         prefill_tokens_per_s: float | None = None,
     ) -> None:
         self.policy = policy
+        # Most policies ignore load updates: skip building the call three times a request.
+        self._tell_load = type(policy).on_load_update is not Policy.on_load_update
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
@@ -142,6 +144,8 @@ class Router:
         self._load_update(decision.replica)
 
     def _load_update(self, replica: str) -> None:
+        if not self._tell_load:
+            return
         load = self.load
         self.policy.on_load_update(replica, load.inflight.get(replica, 0),
                                    load.pending_prefill.get(replica, 0.0))

@@ -87,6 +87,7 @@ class AiohttpUpstream:
         self._pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
+        self._last: tuple[Timeouts | None, aiohttp.ClientTimeout | None] = (None, None)
 
     def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
         # Created on first use, inside the running event loop, as aiohttp requires.
@@ -98,10 +99,13 @@ class AiohttpUpstream:
         return self._pooled, self._fresh
 
     def _client_timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
+        if t is self._last[0]:  # callers pass the same Timeouts each time: skip hashing it
+            return self._last[1]
         ct = self._timeouts.get(t)
         if ct is None:
             ct = self._timeouts[t] = aiohttp.ClientTimeout(
                 total=t.total, sock_connect=t.connect, sock_read=t.read)
+        self._last = (t, ct)
         return ct
 
     async def request(self, method: str, url: str, *, body: bytes | None = None,

@@ -1,0 +1,68 @@
+"""loadtests.overhead's A/B bookkeeping on constructed runs: order, summary, table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loadtests.overhead import Run, format_ab_table, record, rotation, summarise_ab
+
+
+def test_rotation_puts_each_variant_first_once_per_cycle() -> None:
+    order = list(rotation(3, ["direct", "baseline", "current"]))
+    assert order == [(0, "direct"), (0, "baseline"), (0, "current"),
+                     (1, "baseline"), (1, "current"), (1, "direct"),
+                     (2, "current"), (2, "direct"), (2, "baseline")]
+    # Two variants alternate, as the plain gateway-vs-direct run always did.
+    assert [v for _, v in rotation(2, ["direct", "gateway"])] == [
+        "direct", "gateway", "gateway", "direct"]
+
+
+def _run(ms: list[float], wall: float, ttft_ms: list[float] | None = None) -> Run:
+    return Run(ok=len(ms), wall=wall, latencies=[x / 1000 for x in ms],
+               ttfts=[x / 1000 for x in ttft_ms or []])
+
+
+def test_summary_and_table_from_constructed_runs() -> None:
+    # Closed loop, non-stream, two reps: 10 requests each; latencies in ms.
+    direct = [record(_run([1.0] * 10, 0.01), None, False),
+              record(_run([2.0] * 10, 0.01), None, False)]
+    baseline = [record(_run([3.0] * 10, 0.02), 0.010, False),   # +2 ms, 1.0 CPU-ms/req
+                record(_run([4.0] * 10, 0.02), 0.012, False)]   # +2 ms, 1.2
+    current = [record(_run([4.0] * 10, 0.025), 0.011, False),   # +3 ms, 1.1
+               record(_run([6.0] * 10, 0.025), 0.013, False)]   # +4 ms, 1.3
+    # Open loop, stream: TTFT is what the added figures use.
+    sd = [record(_run([5.0] * 4, 1.0, [1.0] * 4), None, True)]
+    sb = [record(_run([9.0] * 4, 1.0, [2.0] * 4), 0.004, True)]
+    sc = [record(_run([9.0] * 4, 1.0, [1.5] * 4), 0.002, True)]
+    res = {"closed": {"non-stream": {"direct": direct, "baseline": baseline,
+                                     "current": current}},
+           "open": {"stream@200": {"direct": sd, "baseline": sb, "current": sc}}}
+
+    rows = {(r["measurement"], r["metric"]): r for r in summarise_ab(res)}
+    rps = rows[("closed non-stream", "req/s")]
+    assert rps["baseline"]["median"] == pytest.approx(500)
+    assert rps["current"]["median"] == pytest.approx(400)
+    assert rps["ratio"] == pytest.approx(0.8)
+    added = rows[("closed non-stream", "added latency p50 ms")]
+    assert added["baseline"]["median"] == pytest.approx(2.0)
+    assert added["current"]["median"] == pytest.approx(3.5)   # median of +3 and +4
+    assert added["ratio"] == pytest.approx(1.75)
+    cpu = rows[("closed non-stream", "gw CPU-ms/req")]
+    assert cpu["baseline"]["median"] == pytest.approx(1.1)
+    assert cpu["current"]["median"] == pytest.approx(1.2)
+    ttft = rows[("open stream@200/s", "added TTFT p50 ms")]
+    assert (ttft["baseline"]["median"], ttft["current"]["median"]) == pytest.approx((1.0, 0.5))
+    assert rows[("open stream@200/s", "gw CPU-ms/req")]["ratio"] == pytest.approx(0.5)
+
+    args = argparse.Namespace(baseline_root=Path("/old"), concurrency=16, duration=3.0, reps=2)
+    table = format_ab_table(list(rows.values()), args)
+    lines = table.splitlines()
+    assert "baseline (/old) vs current" in table
+    rps_line = next(line for line in lines if line.startswith("closed non-stream"))
+    assert rps_line.split()[-1] == "0.80"
+    cpu_line = next(line for line in lines if "gw CPU-ms/req" in line)
+    assert "1.100" in cpu_line and "1.200" in cpu_line and cpu_line.split()[-1] == "1.09"
+    assert lines[-1] == "errors: baseline 0, current 0"
