@@ -114,6 +114,9 @@ class Pool:
         self.health = spec.health
         self.spec = spec
         self.router = router
+        self.policy_name = router.policy.name
+        self.hashes_engine_tokens = spec.hashing == "engine_tokens"
+        """Prompts are hashed as the engine's own tokens (else as character blocks)."""
         self.replicas: dict[str, ReplicaState] = {}
         for r in spec.replicas:
             models = set(r.models) if r.models else set(self.models)
@@ -124,10 +127,6 @@ class Pool:
         self._cpt_samples = 0
         self._cpt_estimate = router.chars_per_token
         self._tokenize_cursor = itertools.count()
-
-    @property
-    def policy_name(self) -> str:
-        return self.router.policy.name
 
     @property
     def load(self) -> LoadTracker:
@@ -152,11 +151,6 @@ class Pool:
                     v.kv_usage = snap.kv_usage
                 views.append(v)
         return views
-
-    @property
-    def hashes_engine_tokens(self) -> bool:
-        """Prompts are hashed as the engine's own tokens (else as character blocks)."""
-        return self.spec.hashing == "engine_tokens"
 
     async def token_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,
                              traffic_class: str) -> RoutingRequest | None:

@@ -42,7 +42,8 @@ class _Call:
     request: InferenceRequest
     pool: Pool
     traffic_class: str
-    routing: RoutingRequest
+    routing: RoutingRequest | None
+    """None until hashed (engine tokens are fetched after the call is prepared)."""
     body: bytes
     """What the replica gets (the client's body, or its internally streamed form)."""
     headers: dict[str, str]
@@ -80,57 +81,25 @@ class RequestCore:
         self.internal_stream = cfg.non_streaming_ttft
 
     async def handle(self, request: InferenceRequest, link: ClientLink | None = None) -> Reply:
-        """The reply to `request`; errors come back as OpenAI-shaped error replies."""
+        """The reply to `request`; errors come back as OpenAI-shaped error replies.
+
+        Prepare, route, then try the chosen replica and its fallbacks until one answers or
+        something has reached the client. (One coroutine for all of it: every level of
+        awaiting is paid again each time the request waits on the network.)
+        """
         link = link or ClientLink()
         try:
-            call = await self._prepare(request)
+            call = self._prepare(request)
+            if call.routing is None:
+                await self._hash_engine_tokens(call)
         except GatewayError as err:
             return error_reply(err)
-        return await self._forward(call, link)
-
-    async def _prepare(self, request: InferenceRequest) -> _Call:
-        state = self.state
-        payload, headers = request.payload, request.headers
-        cls = request.traffic_class or state.classifier.classify(
-            headers, payload.get("service_tier"))
-        pool = state.pool_for_class[cls]
-        model = request.model
-        if model not in pool.models:
-            others = [p.name for p in state.pools if model in p.models]
-            hint = (f" It is served by pool(s) {others}, not by pool {pool.name!r} of "
-                    f"traffic class {cls!r}." if others else
-                    f" Available models: {state.models}.")
-            raise model_not_found(model, hint)
-        routing = None
-        if pool.hashes_engine_tokens:
-            routing = await pool.token_request(state.upstream, payload, request.chat, cls)
-        if routing is None:  # character blocks: no tokenizer needed, no round trip
-            text = render_chat(payload) if request.chat else render_completion(payload)
-            routing = pool.router.request_from_text(text, cls)
-        body = request.body
-        assemble = False
-        if not request.stream and self.internal_stream:
-            payload["stream"] = True
-            opts = payload.get("stream_options")
-            payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
-                                         "include_usage": True}
-            body = orjson.dumps(payload)
-            assemble = True
-        fwd = {"Content-Type": "application/json"}
-        for h in _FORWARD_HEADERS:
-            if h in headers:
-                fwd[h.decode()] = headers[h].decode("latin-1")
-        auth = headers.get(b"authorization")
-        return _Call(request, pool, cls, routing, body, fwd,
-                     auth.decode("latin-1") if auth else None, assemble)
-
-    async def _forward(self, call: _Call, link: ClientLink) -> Reply:
         obs = self.state.observer
-        pool, model = call.pool, call.request.model
-        views = pool.healthy_views(model)
+        pool = call.pool
+        views = pool.healthy_views(request.model)
         if not views:
             obs.finished(Finished(pool.name, "none", call.traffic_class, "503",
-                                  perf_counter() - call.request.received_at))
+                                  perf_counter() - request.received_at))
             return error_reply(no_replica(pool.name))
         first = decision = pool.router.route(call.routing, views)
         obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
@@ -161,9 +130,55 @@ class RequestCore:
                 again.add(name)
                 candidates.append(name)
         obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
-                              perf_counter() - call.request.received_at))
+                              perf_counter() - request.received_at))
         return error_reply(upstream_failed(pool.name, last_error or
                                            "no healthy replica left to try"))
+
+    def _prepare(self, request: InferenceRequest) -> _Call:
+        """Classify, check the model, hash the prompt (as characters: engine tokens are
+        fetched after, by `_hash_engine_tokens`) and build what the replica gets."""
+        state = self.state
+        payload, headers = request.payload, request.headers
+        cls = request.traffic_class or state.classifier.classify(
+            headers, payload.get("service_tier"))
+        pool = state.pool_for_class[cls]
+        model = request.model
+        if model not in pool.models:
+            others = [p.name for p in state.pools if model in p.models]
+            hint = (f" It is served by pool(s) {others}, not by pool {pool.name!r} of "
+                    f"traffic class {cls!r}." if others else
+                    f" Available models: {state.models}.")
+            raise model_not_found(model, hint)
+        routing = None
+        if not pool.hashes_engine_tokens:
+            text = render_chat(payload) if request.chat else render_completion(payload)
+            routing = pool.router.request_from_text(text, cls)
+        body = request.body
+        assemble = False
+        if not request.stream and self.internal_stream:
+            payload["stream"] = True
+            opts = payload.get("stream_options")
+            payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                         "include_usage": True}
+            body = orjson.dumps(payload)
+            assemble = True
+        fwd = {"Content-Type": "application/json"}
+        for h in _FORWARD_HEADERS:
+            if h in headers:
+                fwd[h.decode()] = headers[h].decode("latin-1")
+        auth = headers.get(b"authorization")
+        return _Call(request, pool, cls, routing, body, fwd,
+                     auth.decode("latin-1") if auth else None, assemble)
+
+    async def _hash_engine_tokens(self, call: _Call) -> None:
+        """The engine's own tokens, from a replica; characters when none can tokenise."""
+        request = call.request
+        call.routing = await call.pool.token_request(
+            self.state.upstream, request.payload, request.chat, call.traffic_class)
+        if call.routing is None:
+            payload = request.payload
+            text = render_chat(payload) if request.chat else render_completion(payload)
+            call.routing = call.pool.router.request_from_text(text, call.traffic_class)
 
     async def _attempt(self, call: _Call, replica: ReplicaState, decision: Decision,
                        final: bool, link: ClientLink) -> Reply | _Failure:
@@ -172,8 +187,17 @@ class RequestCore:
         pool, name = call.pool, replica.name
         attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
                           call.request.received_at, self.state.observer, call.assemble)
+        headers = call.headers
+        auth = replica.auth or call.client_auth
+        if auth:
+            headers = {**headers, "Authorization": auth}
+        url = replica.base_url + call.request.path
         try:
-            resp = await self._send(call, replica)
+            try:
+                resp = await self.state.upstream.request(
+                    "POST", url, body=call.body, headers=headers, timeouts=self.timeouts)
+            except ConnectionDropped as exc:
+                resp = await self._resend(call, replica, url, headers, exc)
         except ConnectFailed as exc:
             detail = f"{name}: {exc}"
             self.state.monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
@@ -213,25 +237,15 @@ class RequestCore:
                 resp.release()
                 attempt.end(Outcome.TRY_ANOTHER)  # no-op unless a bug skipped the ending
 
-    async def _send(self, call: _Call, replica: ReplicaState) -> UpstreamResponse:
-        """Send the request; once more on a new connection if a kept-alive one was closed
-        under it (the engine's idle timeout firing as it was reused: nothing was answered and
-        the replica is fine)."""
-        headers = call.headers
-        auth = replica.auth or call.client_auth
-        if auth:
-            headers = {**headers, "Authorization": auth}
-        url = replica.base_url + call.request.path
-        upstream = self.state.upstream
-        try:
-            return await upstream.request("POST", url, body=call.body, headers=headers,
-                                          timeouts=self.timeouts)
-        except ConnectionDropped as exc:
-            log.info("resending to %s/%s on a new connection: %s", call.pool.name, replica.name,
-                     exc)
-            self.state.observer.resent(call.pool.name, replica.name)
-            return await upstream.request("POST", url, body=call.body, headers=headers,
-                                          timeouts=self.timeouts, fresh_connection=True)
+    async def _resend(self, call: _Call, replica: ReplicaState, url: str,
+                      headers: dict[str, str], exc: ConnectionDropped) -> UpstreamResponse:
+        """Once more on a new connection: a kept-alive one was closed under the request (the
+        engine's idle timeout firing as it was reused), so nothing was answered and the
+        replica is fine."""
+        log.info("resending to %s/%s on a new connection: %s", call.pool.name, replica.name, exc)
+        self.state.observer.resent(call.pool.name, replica.name)
+        return await self.state.upstream.request("POST", url, body=call.body, headers=headers,
+                                                 timeouts=self.timeouts, fresh_connection=True)
 
     def _route_headers(self, pool: Pool, replica: ReplicaState,
                        decision: Decision) -> list[tuple[bytes, bytes]]:

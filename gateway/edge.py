@@ -9,7 +9,7 @@ from time import perf_counter
 
 from gateway.core import RequestCore, error_reply
 from gateway.errors import GatewayError
-from gateway.exchange import ClientLink, InferenceRequest, Reply
+from gateway.exchange import ClientLink, InferenceRequest, Reply, ReplyStream
 from gateway.parse import parse_body
 
 log = logging.getLogger("prefix_gateway.edge")
@@ -43,6 +43,11 @@ async def send_reply(send, reply: Reply) -> None:
     if isinstance(body, bytes):
         await send({"type": "http.response.body", "body": body})
         return
+    await send_stream(send, body)
+
+
+async def send_stream(send, body: ReplyStream) -> None:
+    """Relay a streamed body; the stream is closed whatever happens (its attempt ends)."""
     async with contextlib.aclosing(body):
         async for chunk in body:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -93,7 +98,13 @@ class InferenceEndpoint:
                 if not isinstance(reply.body, bytes):
                     await reply.body.aclose()
                 return
-            await send_reply(send, reply)
+            # Inline for a whole body: a coroutine less on every request.
+            await send({"type": "http.response.start", "status": reply.status,
+                        "headers": reply.headers})
+            if isinstance(reply.body, bytes):
+                await send({"type": "http.response.body", "body": reply.body})
+            else:
+                await send_stream(send, reply.body)
         finally:
             link.stop()
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry
 
-# `_created` series double the exposition and no dashboard uses them.
-disable_created_metrics()
+from gateway.metric_families import (
+    CounterFamily,
+    Family,
+    FamilyCollector,
+    GaugeFamily,
+    HistogramFamily,
+)
 
 # Buckets span a cached prefix on a GPU (tens of ms) to a long cold prefill under queueing.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
@@ -16,69 +21,71 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 
 
 class GatewayMetrics:
-    """The metric objects, on their own registry so tests can run several gateways."""
+    """The metric families, exported on their own registry so tests can run several gateways."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
         rl = ("pool", "replica", "traffic_class")
-        self.requests = Counter(
+        self.requests = CounterFamily(
             "gateway_requests", "Requests finished, by replica and the HTTP status the client got "
             "(499: the client left first; replica 'none' with 503: no healthy replica).",
-            (*rl, "status"), registry=r)
-        self.ttft = Histogram(
+            (*rl, "status"))
+        self.ttft = HistogramFamily(
             "gateway_time_to_first_token_seconds", "Time from request arrival at the gateway to "
             "the first content token leaving the replica, measured at the gateway.", rl,
-            buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(
+            buckets=TTFT_BUCKETS)
+        self.tpot = HistogramFamily(
             "gateway_time_per_output_token_seconds", "Mean time between output tokens after the "
-            "first, per request.", rl, buckets=TPOT_BUCKETS, registry=r)
-        self.duration = Histogram(
+            "first, per request.", rl, buckets=TPOT_BUCKETS)
+        self.duration = HistogramFamily(
             "gateway_request_duration_seconds", "Time from request arrival to the last byte.",
-            rl, buckets=DURATION_BUCKETS, registry=r)
-        self.prefix_blocks = Counter(
+            rl, buckets=DURATION_BUCKETS)
+        self.prefix_blocks = CounterFamily(
             "gateway_prefix_blocks", "Prompt blocks the router expected to hit (or miss) in the "
             "chosen replica's cache at routing time (its own estimate).",
-            ("pool", "replica", "result"), registry=r)
-        self.engine_hit_ratio = Gauge(
+            ("pool", "replica", "result"))
+        self.engine_hit_ratio = GaugeFamily(
             "gateway_engine_prefix_cache_hit_ratio", "Prefix-cache hit ratio reported by the "
             "replica's own metrics, in tokens, over the recent window.", ("pool", "replica"),
-            registry=r)
-        self.decisions = Counter(
+            )
+        self.decisions = CounterFamily(
             "gateway_routing_decisions", "Routing decisions by policy and reason.",
-            ("pool", "policy", "reason"), registry=r)
-        self.inflight = Gauge(
+            ("pool", "policy", "reason"))
+        self.inflight = GaugeFamily(
             "gateway_inflight_requests", "Requests in flight through the gateway.",
-            ("pool", "replica"), registry=r)
-        self.replica_up = Gauge(
+            ("pool", "replica"))
+        self.replica_up = GaugeFamily(
             "gateway_replica_up", "1 while the replica passes health checks.",
-            ("pool", "replica"), registry=r)
-        self.retries = Counter(
+            ("pool", "replica"))
+        self.retries = CounterFamily(
             "gateway_retries", "Requests retried on another replica before the first byte.",
-            ("pool", "replica"), registry=r)
-        self.resends = Counter(
+            ("pool", "replica"))
+        self.resends = CounterFamily(
             "gateway_connection_resends", "Requests sent again to the same replica on a new "
             "connection, after it closed a kept-alive one under them (its idle timeout).",
-            ("pool", "replica"), registry=r)
-        self.engine_waiting = Gauge(
+            ("pool", "replica"))
+        self.engine_waiting = GaugeFamily(
             "gateway_engine_requests_waiting", "Requests queued inside the engine (its metrics).",
-            ("pool", "replica"), registry=r)
-        self.engine_kv_usage = Gauge(
+            ("pool", "replica"))
+        self.engine_kv_usage = GaugeFamily(
             "gateway_engine_kv_cache_usage_ratio", "KV cache usage reported by the engine (0-1).",
-            ("pool", "replica"), registry=r)
-        self.engine_step = Gauge(
+            ("pool", "replica"))
+        self.engine_step = GaugeFamily(
             "gateway_engine_step_seconds", "Engine step (iteration) time, timed by the gateway "
             "from the gaps between the replica's streamed chunks (a moving average).",
-            ("pool", "replica"), registry=r)
-        self.prefill_rate = Gauge(
+            ("pool", "replica"))
+        self.prefill_rate = GaugeFamily(
             "gateway_prefill_tokens_per_second", "Prefill rate the pool prices a wait for an "
             "engine step with (configured, or learned from steps that carry a prefill; 0 until "
-            "known).", ("pool",), registry=r)
-        self.chars_per_token = Gauge(
+            "known).", ("pool",))
+        self.chars_per_token = GaugeFamily(
             "gateway_chars_per_token", "Characters per engine token the pool uses to size its "
-            "prefix indexes (learned from the replicas' usage.prompt_tokens).", ("pool",),
-            registry=r)
-        self.match_fraction = Histogram(
+            "prefix indexes (learned from the replicas' usage.prompt_tokens).", ("pool",))
+        self.match_fraction = HistogramFamily(
             "gateway_prefix_match_fraction", "Fraction of the prompt's blocks the router expected "
             "to be cached on the chosen replica.", ("pool",),
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), registry=r)
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
+        self.registry.register(FamilyCollector(self.families()))
+
+    def families(self) -> list[Family]:
+        return [m for m in vars(self).values() if isinstance(m, Family)]

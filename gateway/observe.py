@@ -12,22 +12,15 @@ from routing.types import Decision
 
 
 class Observer:
-    """Updates metrics and stats; label children are cached because `.labels()` is slow."""
+    """Updates metrics and stats, each update a few dict operations (gateway/metric_families)."""
 
     def __init__(self, metrics: GatewayMetrics, stats: StatsRecorder) -> None:
         self.m = metrics
         self.stats = stats
-        self._children: dict[tuple, object] = {}
-
-    def _child(self, metric, *labels: str):
-        key = (id(metric), *labels)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
 
     def decided(self, pool: str, policy: str, cls: str, d: Decision) -> None:
-        self._child(self.m.decisions, pool, policy, d.reason).inc()
+        m = self.m
+        m.decisions.inc((pool, policy, d.reason))
         decisions = self.stats.decisions.get(pool)  # not setdefault: no Counter() per call
         if decisions is None:
             decisions = self.stats.decisions[pool] = Counter()
@@ -38,38 +31,39 @@ class Observer:
         classes[cls] += 1
         if d.total_blocks:
             missed = d.total_blocks - d.matched_blocks
-            self._child(self.m.prefix_blocks, pool, d.replica, "hit").inc(d.matched_blocks)
-            self._child(self.m.prefix_blocks, pool, d.replica, "miss").inc(missed)
+            m.prefix_blocks.inc((pool, d.replica, "hit"), d.matched_blocks)
+            m.prefix_blocks.inc((pool, d.replica, "miss"), missed)
             s = self.stats.replica(d.replica)
             s.hit_blocks += d.matched_blocks
             s.miss_blocks += missed
-            self._child(self.m.match_fraction, pool).observe(d.matched_fraction)
+            m.match_fraction.observe((pool,), d.matched_fraction)
 
     def chars_per_token(self, pool: str, value: float) -> None:
-        self._child(self.m.chars_per_token, pool).set(value)
+        self.m.chars_per_token.set((pool,), value)
 
     def retried(self, pool: str, replica: str) -> None:
-        self._child(self.m.retries, pool, replica).inc()
+        self.m.retries.inc((pool, replica))
 
     def resent(self, pool: str, replica: str) -> None:
-        self._child(self.m.resends, pool, replica).inc()
+        self.m.resends.inc((pool, replica))
 
     def inflight(self, pool: str, replica: str, delta: int) -> None:
-        self._child(self.m.inflight, pool, replica).inc(delta)
+        self.m.inflight.inc((pool, replica), delta)
 
     def finished(self, f: Finished) -> None:
-        self._child(self.m.requests, f.pool, f.replica, f.traffic_class, f.status).inc()
-        self._child(self.m.duration, f.pool, f.replica, f.traffic_class).observe(f.duration_s)
+        m = self.m
+        series = (f.pool, f.replica, f.traffic_class)
+        m.requests.inc((*series, f.status))
+        m.duration.observe(series, f.duration_s)
         s = self.stats.replica(f.replica)
         s.requests += 1
         if not f.status.startswith("2"):
             s.errors += 1
         if f.ttft_s is not None:
-            self._child(self.m.ttft, f.pool, f.replica, f.traffic_class).observe(f.ttft_s)
+            m.ttft.observe(series, f.ttft_s)
             s.ttfts.append(f.ttft_s)
             if f.completion_tokens > 1:
-                self._child(self.m.tpot, f.pool, f.replica, f.traffic_class).observe(
-                    f.decode_s / (f.completion_tokens - 1))
+                m.tpot.observe(series, f.decode_s / (f.completion_tokens - 1))
 
     # What health checks and scrapes find (backends.health.HealthListener) -------------------
 
@@ -79,25 +73,24 @@ class Observer:
             self.chars_per_token(pool.name, pool.router.chars_per_token)
             for r in pool.replicas.values():
                 self.replica_up(pool.name, r.name, False)
-                self._child(self.m.inflight, pool.name, r.name).set(0)
+                self.m.inflight.set((pool.name, r.name), 0)
 
     def replica_up(self, pool: str, replica: str, up: bool) -> None:
-        self._child(self.m.replica_up, pool, replica).set(1 if up else 0)
+        self.m.replica_up.set((pool, replica), 1 if up else 0)
 
     def engine_state(self, pool: str, replica: ReplicaState) -> None:
-        snap = replica.snapshot
+        m, key, snap = self.m, (pool, replica.name), replica.snapshot
         if replica.engine_hit_ratio is not None:
-            self._child(self.m.engine_hit_ratio, pool, replica.name).set(
-                replica.engine_hit_ratio)
+            m.engine_hit_ratio.set(key, replica.engine_hit_ratio)
         if snap is None:
             return
         if snap.waiting is not None:
-            self._child(self.m.engine_waiting, pool, replica.name).set(snap.waiting)
+            m.engine_waiting.set(key, snap.waiting)
         if snap.kv_usage is not None:
-            self._child(self.m.engine_kv_usage, pool, replica.name).set(snap.kv_usage)
+            m.engine_kv_usage.set(key, snap.kv_usage)
 
     def step_timing(self, pool: Pool) -> None:
         steps = pool.load.steps
         for name, step in steps.step_times().items():
-            self._child(self.m.engine_step, pool.name, name).set(step)
-        self._child(self.m.prefill_rate, pool.name).set(steps.rate)
+            self.m.engine_step.set((pool.name, name), step)
+        self.m.prefill_rate.set((pool.name,), steps.rate)

@@ -13,67 +13,119 @@ class StreamWatcher:
     It notes when the first content token arrived and counts content events (one per token in
     vLLM and trtllm-serve streams). With `keep=True` it also keeps the parsed events so that a
     non-streaming response can be rebuilt from an internal stream.
+
+    Events up to the first token are parsed as they arrive (the first token's time is TTFT);
+    later ones are kept as bytes with their arrival time and parsed together, in one call, when
+    a result is first read: per event, that costs a fraction of parsing each on its own.
     """
 
-    __slots__ = ("_buf", "error", "events", "first_token_at", "keep", "last_token_at", "tokens",
-                 "usage")
+    __slots__ = ("_buf", "_error", "_events", "_last_token_at", "_pending", "_tokens", "_usage",
+                 "first_token_at", "keep")
 
     def __init__(self, keep: bool = False) -> None:
         self._buf = b""
         self.keep = keep
-        self.events: list[dict[str, Any]] = []
+        self._events: list[dict[str, Any]] = []
         self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.tokens = 0
-        self.usage: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
+        self._last_token_at: float | None = None
+        self._tokens = 0
+        self._usage: dict[str, Any] | None = None
+        self._error: dict[str, Any] | None = None
+        self._pending: list[tuple[bytes, float]] = []
 
     def feed(self, chunk: bytes, now: float) -> None:
         buf = self._buf + chunk if self._buf else chunk
         # SSE events end with a blank line; engines send \n\n (tolerate \r\n\r\n too).
         if b"\r\n" in buf:
             buf = buf.replace(b"\r\n", b"\n")
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            self._event(buf[start:end], now)
-            start = end + 2
-        self._buf = buf[start:]
+        events = buf.split(b"\n\n")
+        self._buf = events.pop()
+        for raw in events:
+            if raw.startswith(b"data: ") and b"\n" not in raw:
+                datas: tuple[bytes, ...] = (raw[6:],)  # the usual shape: one data line
+            else:
+                datas = tuple(line[5:].strip() for line in raw.split(b"\n")
+                              if line.startswith(b"data:"))
+            for data in datas:
+                if not data or data == b"[DONE]":
+                    continue
+                if self.first_token_at is None:
+                    self._event(data, now)
+                else:
+                    self._pending.append((data, now))
 
-    def _event(self, raw: bytes, now: float) -> None:
-        for line in raw.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                ev = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(ev, dict):
-                continue
-            if "error" in ev and "choices" not in ev:
-                self.error = ev
-                continue
-            if self.keep:
-                self.events.append(ev)
-            if ev.get("usage"):
-                self.usage = ev["usage"]
-            for ch in ev.get("choices") or ():
-                if _has_content(ch):
-                    self.tokens += 1
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    self.last_token_at = now
-                    break
+    def _event(self, data: bytes, now: float) -> None:
+        try:
+            ev = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        self._parsed(ev, now)
+
+    def _parsed(self, ev: Any, now: float) -> None:
+        if not isinstance(ev, dict):
+            return
+        if "error" in ev and "choices" not in ev:
+            self._error = ev
+            return
+        if self.keep:
+            self._events.append(ev)
+        if ev.get("usage"):
+            self._usage = ev["usage"]
+        for ch in ev.get("choices") or ():
+            if _has_content(ch):
+                self._tokens += 1
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self._last_token_at = now
+                break
+
+    def _settle(self) -> None:
+        """Parse the events kept as bytes: all at once, or one by one if one is malformed."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        try:
+            parsed = orjson.loads(b"[" + b",".join([data for data, _ in pending]) + b"]")
+        except orjson.JSONDecodeError:
+            parsed = None
+        if parsed is None or len(parsed) != len(pending):  # e.g. "1,2" smuggled in one event
+            for data, now in pending:
+                self._event(data, now)
+            return
+        for ev, (_, now) in zip(parsed, pending, strict=True):
+            self._parsed(ev, now)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        self._settle()
+        return self._events
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        self._settle()
+        return self._usage
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        self._settle()
+        return self._error
+
+    @property
+    def tokens(self) -> int:
+        self._settle()
+        return self._tokens
+
+    @property
+    def last_token_at(self) -> float | None:
+        self._settle()
+        return self._last_token_at
 
     def completion_tokens(self) -> int:
-        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
-            return self.usage["completion_tokens"]
-        return self.tokens
+        usage = self.usage
+        if usage and isinstance(usage.get("completion_tokens"), int):
+            return usage["completion_tokens"]
+        return self._tokens
 
 
 def _has_content(choice: dict[str, Any]) -> bool:

@@ -36,8 +36,9 @@ class Router:
         prefill_tokens_per_s: float | None = None,
     ) -> None:
         self.policy = policy
-        # Most policies ignore load updates: skip building the call three times a request.
+        # Most policies ignore these hooks: skip the calls (several a request) when they do.
         self._tell_load = type(policy).on_load_update is not Policy.on_load_update
+        self._tell_finished = type(policy).on_finished is not Policy.on_finished
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
@@ -126,7 +127,8 @@ class Router:
     def dispatched(self, decision: Decision) -> None:
         """The request was sent to `decision.replica`."""
         self.load.dispatched(decision.replica, decision.uncached_tokens)
-        self._load_update(decision.replica)
+        if self._tell_load:
+            self._load_update(decision.replica)
 
     def chunk(self, replica: str, now: float) -> None:
         """`replica` streamed a chunk at `now` (times its engine steps)."""
@@ -135,17 +137,18 @@ class Router:
     def first_token(self, decision: Decision, now: float, sent_at: float) -> None:
         """The request's first content token arrived at `now`; it was sent at `sent_at`."""
         self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at)
-        self._load_update(decision.replica)
+        if self._tell_load:
+            self._load_update(decision.replica)
 
     def finished(self, decision: Decision, saw_first_token: bool) -> None:
         """The attempt `decision` ended (answered, failed or abandoned)."""
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
-        self.policy.on_finished(decision, saw_first_token)
-        self._load_update(decision.replica)
+        if self._tell_finished:
+            self.policy.on_finished(decision, saw_first_token)
+        if self._tell_load:
+            self._load_update(decision.replica)
 
     def _load_update(self, replica: str) -> None:
-        if not self._tell_load:
-            return
         load = self.load
         self.policy.on_load_update(replica, load.inflight.get(replica, 0),
                                    load.pending_prefill.get(replica, 0.0))

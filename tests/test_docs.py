@@ -197,12 +197,9 @@ def test_every_metric_is_in_the_operating_reference_as_exported_with_its_labels(
             re.findall(r"^\| `gateway_\w+` \|.*$", (ROOT / "docs" / "operating.md").read_text(),
                        flags=re.M)}
     exported = {}
-    for metric in vars(GatewayMetrics()).values():
-        if hasattr(metric, "describe"):
-            (family,) = metric.describe()
-            name = family.name + ("_total" if family.type == "counter" else "")
-            # prometheus_client keeps a metric's label names only in this attribute.
-            exported[name] = (family.type, set(metric._labelnames))
+    for family in GatewayMetrics().families():
+        name = family.name + ("_total" if family.kind == "counter" else "")
+        exported[name] = (family.kind, set(family.labels))
     assert set(rows) == set(exported)
     for name, (kind, labels) in exported.items():
         cells = [c.strip() for c in rows[name].split("|")]

@@ -85,3 +85,19 @@ def test_assemble_completion_concatenates_text_and_logprobs() -> None:
     assert choice["text"] == "ab" and choice["finish_reason"] == "length"
     assert choice["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2]}
     assert "usage" not in out
+
+
+def test_events_after_the_first_token_keep_their_times_even_when_one_is_malformed() -> None:
+    w = StreamWatcher(keep=True)
+    w.feed(sse(chat_chunk({"content": "a"})), 1.0)
+    w.feed(sse(chat_chunk({"content": "b"})) + b"data: {not json\n\n", 2.0)
+    w.feed(b"data: 1,2\n\n" + sse(chat_chunk({"content": "c"}, "stop")), 3.0)
+    w.feed(sse({"error": {"message": "late", "type": "x"}}), 4.0)
+    # The malformed and non-object events are skipped, the others counted at their own time.
+    assert (w.first_token_at, w.last_token_at, w.tokens) == (1.0, 3.0, 3)
+    assert [e["choices"][0]["delta"]["content"] for e in w.events] == ["a", "b", "c"]
+    assert w.error == {"error": {"message": "late", "type": "x"}}
+    clean = StreamWatcher()
+    clean.feed(sse(chat_chunk({"content": "a"})) + sse(chat_chunk({"content": "b"})), 1.0)
+    clean.feed(sse(chat_chunk({"content": "c"})), 5.0)
+    assert (clean.tokens, clean.last_token_at) == (3, 5.0)

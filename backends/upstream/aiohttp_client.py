@@ -51,12 +51,16 @@ class _Chunks:
 class AiohttpResponse:
     """An aiohttp response behind the UpstreamResponse protocol."""
 
-    __slots__ = ("_resp", "content_type", "status")
+    __slots__ = ("_resp", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
         self.status = resp.status
-        self.content_type = resp.headers.get("Content-Type", "application/json")
+
+    @property
+    def content_type(self) -> str:
+        # Read only when needed (a replica's error passed through), not on every request.
+        return self._resp.headers.get("Content-Type", "application/json")
 
     def chunks(self) -> _Chunks:
         return _Chunks(self._resp.content)
@@ -89,14 +93,12 @@ class AiohttpUpstream:
         self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
         self._last: tuple[Timeouts | None, aiohttp.ClientTimeout | None] = (None, None)
 
-    def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+    def _open(self) -> None:
         # Created on first use, inside the running event loop, as aiohttp requires.
-        if self._pooled is None or self._fresh is None:
-            self._pooled = _session(aiohttp.TCPConnector(
-                limit=0, limit_per_host=0, enable_cleanup_closed=True,
-                keepalive_timeout=self._keepalive_s))
-            self._fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True))
-        return self._pooled, self._fresh
+        self._pooled = _session(aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, enable_cleanup_closed=True,
+            keepalive_timeout=self._keepalive_s))
+        self._fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True))
 
     def _client_timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
         if t is self._last[0]:  # callers pass the same Timeouts each time: skip hashing it
@@ -112,8 +114,10 @@ class AiohttpUpstream:
                       headers: Mapping[str, str] | None = None,
                       timeouts: Timeouts = NO_TIMEOUTS,
                       fresh_connection: bool = False) -> AiohttpResponse:
-        pooled, fresh = self._sessions()
-        session = fresh if fresh_connection else pooled
+        session = self._fresh if fresh_connection else self._pooled
+        if session is None:
+            self._open()
+            session = self._fresh if fresh_connection else self._pooled
         try:
             resp = await session.request(method, url, data=body, headers=headers,
                                          timeout=self._client_timeout(timeouts))
