@@ -8,6 +8,11 @@ if less) share a step: one step's chunks reach the gateway within a fraction of 
 of each other. The bound is absolute, not only relative, because a typical step that long
 prefill steps have stretched must not swallow the short decode steps that follow."""
 SAME_STEP_FRACTION = 0.3
+"""Chunks closer than this fraction of a decode-only step share a step too, whatever
+SAME_STEP_S says: on a machine whose cores are busy, the engine's server and the gateway may
+take milliseconds to pass on one step's chunks (the first token of a request that a long step
+prefilled often trails the other streams' chunks by 3-8 ms), and a decode-only step, unlike
+the typical step, is not stretched by prefills."""
 OUTLIER_STEPS = 3.0
 """A gap over this many typical steps (a long prefill, a pause) does not move the estimates."""
 STEP_EWMA = 0.2
@@ -85,7 +90,7 @@ class StepTimer:
         last, est = r.last_end, r.step_s
         if last is not None:
             gap = now - last
-            if gap < (SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)):
+            if gap < self._same_step_s(r):
                 return  # another chunk of the step that ended at `last`
             self._close_step(r, last)
             if est is None:
@@ -98,6 +103,15 @@ class StepTimer:
         r.firsts = 0
         r.batch = inflight
         r.awaiting = awaiting_prefill
+
+    def _same_step_s(self, r: _Steps) -> float:
+        """How far apart two of the replica's chunks may arrive and still end one step."""
+        est = r.step_s
+        same = SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)
+        decode = self._decode.predict(r.batch)
+        if decode is not None and SAME_STEP_FRACTION * decode > same:
+            return SAME_STEP_FRACTION * decode
+        return same
 
     def _close_step(self, r: _Steps, end: float) -> None:
         """The step that ended at `end` is complete: learn from its length."""
@@ -133,7 +147,8 @@ class StepTimer:
                      dispatched_at: float) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk)."""
         r = self._replicas.get(replica)
-        if r is None or r.last_end is None or now - r.last_end > SAME_STEP_S:
+        if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
+                                                                      self._same_step_s(r)):
             return
         r.firsts += 1
         start, step = r.prev_end, r.step_s

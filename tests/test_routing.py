@@ -260,6 +260,29 @@ def test_prefill_rate_is_learned_from_steps_that_carry_a_prefill() -> None:
     assert load.steps.decode_s(1) == pytest.approx(0.050)
 
 
+def test_a_first_token_trailing_its_step_still_teaches_the_rate() -> None:
+    # On a machine whose cores are busy, one step's chunks reach the gateway milliseconds
+    # apart: the first token of the request a 100 ms step prefilled trails the long stream's
+    # chunk of that step by 4 ms, more than SAME_STEP_S but a small part of a 50 ms decode step.
+    load = LoadTracker()
+    load.dispatched("r0", 0.0)
+    t = 0.0
+    load.chunk("r0", t)
+    for _ in range(30):
+        t += 0.05
+        load.chunk("r0", t)
+        sent_at = t + 0.001
+        load.dispatched("r0", 1000.0)
+        t += 0.05
+        load.chunk("r0", t)
+        t += 0.10
+        load.chunk("r0", t)
+        load.chunk("r0", t + 0.004)
+        load.first_token("r0", 1000.0, t + 0.004, dispatched_at=sent_at)
+    assert load.steps.rate == pytest.approx(20_000.0, rel=0.02)
+    assert load.steps.decode_s(1) == pytest.approx(0.050)
+
+
 def test_chunked_prefill_teaches_nothing() -> None:
     # Each prompt is prefilled in two 100 ms chunks; only the second ends in a first token.
     # Counting that step alone would claim twice the true rate: the step before it was no

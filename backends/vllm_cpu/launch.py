@@ -313,7 +313,7 @@ def start_replicas(
     host: str = "127.0.0.1",
     dtype: str = "bfloat16",
     extra_args: list[str] | None = None,
-    startup_timeout: float = 420.0,
+    startup_timeout: float = 900.0,
     stagger_s: float = 0.0,
     die_with_parent: bool = False,
 ) -> list[ReplicaProcess]:
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     help='"split" (own core per replica), "auto" (vLLM default), "nobind", or '
                          'per-replica cpu lists separated by "/", e.g. "0/1"')
     ap.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
-    ap.add_argument("--startup-timeout", type=float, default=420.0)
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--layers", type=int, default=None, help="model layers (if it must be made)")
     ap.add_argument("--hidden", type=int, default=None, help="model width (if it must be made)")
     ap.add_argument("--no-make-model", action="store_true", help="fail if the model is missing")
