@@ -203,6 +203,9 @@ class RequestCore:
             self.state.monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
             attempt.end(Outcome.TRY_ANOTHER)
             return _Failure(detail, exc.never_sent)
+        except BaseException:  # cancelled, or a bug: the replica's load must still be released
+            attempt.end(Outcome.TRY_ANOTHER)
+            raise
         if resp.status in _RETRYABLE and not final:
             detail = f"{name}: HTTP {resp.status}"
             if resp.status == 503:
@@ -217,8 +220,9 @@ class RequestCore:
             if resp.status >= 400:
                 return await relay_error_status(resp, attempt, link, extra)
             if call.request.stream:
+                reply = relay_stream(resp, attempt, link, extra)
                 streamed = True
-                return relay_stream(resp, attempt, link, extra)
+                return reply
             if call.assemble:
                 return await relay_assembled(resp, attempt, link, extra, call.request.chat)
             return await relay_passthrough(resp, attempt, link, extra)

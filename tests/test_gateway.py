@@ -535,3 +535,28 @@ async def test_engine_token_hashing_asks_the_engine_and_falls_back_to_characters
         raw = await gw.openai(default_headers={"x-traffic-class": "batch"}) \
             .completions.with_raw_response.create(model="tiny", prompt=system, max_tokens=1)
         assert raw.headers["x-gateway-replica"] == "bt-0"
+
+
+async def test_a_request_cancelled_while_waiting_for_the_replica_releases_its_load() -> None:
+    answered = asyncio.Event()
+
+    async def silent(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        answered.set()
+        await asyncio.Event().wait()  # never answers
+        raise AssertionError("unreachable")
+
+    async with gateway(one_replica(), handlers={"rt-0": silent}) as gw:
+        request = asyncio.create_task(gw.http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x"}))
+        await asyncio.wait_for(answered.wait(), 10)
+        assert gw.app.state.pools[0].load.inflight == {"rt-0": 1}
+        request.cancel()  # as a server shutting down cancels its requests
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert gw.app.state.pools[0].load.inflight == {"rt-0": 0}
+        assert sample(await gw.metrics(), "gateway_inflight_requests") == 0
