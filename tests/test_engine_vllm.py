@@ -42,11 +42,8 @@ def vllm_replicas(tmp_path_factory):
     base = processes.free_ports(1)[0]
     while base > 64000:  # start_replicas takes consecutive ports from base
         base = processes.free_ports(1)[0]
-    # float32: on CPUs without AVX-512 bf16, vLLM's bfloat16 linear layers fall back to a path
-    # about 6x slower, and a starved machine then runs out of time, not out of luck.
     reps = launch.start_replicas(2, model_dir, base_port=base, startup_timeout=STARTUP_S,
-                                 log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
-                                 dtype="float32")
+                                 log_dir=str(tmp_path_factory.mktemp("vllm-logs")))
     yield reps
     launch.stop_replicas(reps)
 
