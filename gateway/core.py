@@ -60,6 +60,13 @@ class _Failure:
     never_sent: bool = False
 
 
+def _hash_chars(request: InferenceRequest, pool: Pool, cls: str) -> RoutingRequest:
+    """The prompt rendered canonically and hashed in character blocks: no tokenizer needed."""
+    payload = request.payload
+    text = render_chat(payload) if request.chat else render_completion(payload)
+    return pool.router.request_from_text(text, cls)
+
+
 def error_reply(err: GatewayError, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
     body = err.body()
     return Reply(err.status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
@@ -151,8 +158,7 @@ class RequestCore:
             raise model_not_found(model, hint)
         routing = None
         if not pool.hashes_engine_tokens:
-            text = render_chat(payload) if request.chat else render_completion(payload)
-            routing = pool.router.request_from_text(text, cls)
+            routing = _hash_chars(request, pool, cls)
         body = request.body
         assemble = False
         if not request.stream and self.internal_stream:
@@ -176,9 +182,7 @@ class RequestCore:
         call.routing = await call.pool.token_request(
             self.state.upstream, request.payload, request.chat, call.traffic_class)
         if call.routing is None:
-            payload = request.payload
-            text = render_chat(payload) if request.chat else render_completion(payload)
-            call.routing = call.pool.router.request_from_text(text, call.traffic_class)
+            call.routing = _hash_chars(request, call.pool, call.traffic_class)
 
     async def _attempt(self, call: _Call, replica: ReplicaState, decision: Decision,
                        final: bool, link: ClientLink) -> Reply | _Failure:

@@ -27,51 +27,53 @@ class Family:
     """A metric and its series, one per tuple of label values (in `labels` order)."""
 
     kind = ""
-    __slots__ = ("help", "labels", "name", "values")
+    __slots__ = ("help", "labels", "name")
 
     def __init__(self, name: str, help: str, labels: Iterable[str]) -> None:
         self.name = name
         self.help = help
         self.labels = tuple(labels)
-        self.values: dict[Labels, float] = {}
 
     def collect(self) -> Metric:
         raise NotImplementedError
 
 
-class CounterFamily(Family):
-    """Exported as NAME_total."""
+class _ScalarFamily(Family):
+    """One number per series."""
 
-    kind = "counter"
-    __slots__ = ()
+    metric_family: type[CounterMetricFamily | GaugeMetricFamily]
+    __slots__ = ("values",)
+
+    def __init__(self, name: str, help: str, labels: Iterable[str]) -> None:
+        super().__init__(name, help, labels)
+        self.values: dict[Labels, float] = {}
 
     def inc(self, key: Labels, amount: float = 1.0) -> None:
         values = self.values
         values[key] = values.get(key, 0.0) + amount
 
     def collect(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        family = self.metric_family(self.name, self.help, labels=self.labels)
         for key, value in self.values.items():
             family.add_metric(key, value)
         return family
 
 
-class GaugeFamily(Family):
+class CounterFamily(_ScalarFamily):
+    """Exported as NAME_total."""
+
+    kind = "counter"
+    metric_family = CounterMetricFamily
+    __slots__ = ()
+
+
+class GaugeFamily(_ScalarFamily):
     kind = "gauge"
+    metric_family = GaugeMetricFamily
     __slots__ = ()
 
     def set(self, key: Labels, value: float) -> None:
         self.values[key] = value
-
-    def inc(self, key: Labels, amount: float = 1.0) -> None:
-        values = self.values
-        values[key] = values.get(key, 0.0) + amount
-
-    def collect(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.help, labels=self.labels)
-        for key, value in self.values.items():
-            family.add_metric(key, value)
-        return family
 
 
 class HistogramFamily(Family):

@@ -26,18 +26,14 @@ def _length(data: bytes) -> tuple[bytes, bytes]:
 async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                              extra: list[tuple[bytes, bytes]]) -> Reply:
     """A replica's own 4xx/5xx: passed through as the replica sent it."""
-    data = await _read_all(resp, attempt, link)
-    attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
-    return Reply(resp.status, [(b"content-type", resp.content_type.encode()), _length(data),
-                               *extra], data)
+    return await _relay_whole(resp, attempt, link,
+                              [(b"content-type", resp.content_type.encode()), *extra])
 
 
 async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                             extra: list[tuple[bytes, bytes]]) -> Reply:
     """A non-streaming answer, relayed whole and untouched."""
-    data = await _read_all(resp, attempt, link)
-    attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
-    return Reply(resp.status, [*JSON_HEADERS, _length(data), *extra], data)
+    return await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra])
 
 
 async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
@@ -118,10 +114,14 @@ class StreamBody:
         self._attempt.end(outcome, self._resp.status)
 
 
-async def _read_all(resp: UpstreamResponse, attempt: Attempt, link: ClientLink) -> bytes:
+async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                       headers: list[tuple[bytes, bytes]]) -> Reply:
+    """The body read whole and relayed as it is, with `headers` and its length."""
     try:
-        return await resp.read()
+        data = await resp.read()
     except ReadFailed as exc:
-        if link.gone:
-            return b""
-        raise ReadFailure(str(exc)) from None
+        if not link.gone:
+            raise ReadFailure(str(exc)) from None
+        data = b""
+    attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
+    return Reply(resp.status, [*headers, _length(data)], data)

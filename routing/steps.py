@@ -90,12 +90,9 @@ class StepTimer:
         last, est = r.last_end, r.step_s
         if last is not None:
             gap = now - last
-            # Another chunk of the step that ended at `last` (`_same_step_s`, cheap part first:
-            # this runs for every chunk the gateway relays).
-            if gap < (SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)):
-                return
-            decode = self._decode.predict(r.batch)
-            if decode is not None and gap < SAME_STEP_FRACTION * decode:
+            # Another chunk of the step that ended at `last`? (`_same_step_s`, cheap bound
+            # first: this runs for every chunk the gateway relays.)
+            if gap < _typical_same_step_s(r) or gap < self._decode_same_step_s(r):
                 return
             self._close_step(r, last)
             if est is None:
@@ -111,12 +108,12 @@ class StepTimer:
 
     def _same_step_s(self, r: _Steps) -> float:
         """How far apart two of the replica's chunks may arrive and still end one step."""
-        est = r.step_s
-        same = SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)
+        return max(_typical_same_step_s(r), self._decode_same_step_s(r))
+
+    def _decode_same_step_s(self, r: _Steps) -> float:
+        """A fraction of a decode-only step at the replica's batch (0 until one is known)."""
         decode = self._decode.predict(r.batch)
-        if decode is not None and SAME_STEP_FRACTION * decode > same:
-            return SAME_STEP_FRACTION * decode
-        return same
+        return 0.0 if decode is None else SAME_STEP_FRACTION * decode
 
     def _close_step(self, r: _Steps, end: float) -> None:
         """The step that ended at `end` is complete: learn from its length."""
@@ -181,6 +178,12 @@ class StepTimer:
             return 0.0
         left = r.last_end + r.step_s - now
         return left if left > 0.0 else 0.0
+
+
+def _typical_same_step_s(r: _Steps) -> float:
+    """A fraction of the replica's typical step, at most SAME_STEP_S."""
+    est = r.step_s
+    return SAME_STEP_S if est is None else min(SAME_STEP_S, SAME_STEP_FRACTION * est)
 
 
 class _Steps:

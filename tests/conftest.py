@@ -94,6 +94,13 @@ def start_gateway(config: dict, tmp: Path, name: str = "gateway",
     return Gateway(url, proc, tmp / f"{name}.yaml", log_path)
 
 
+def tenant_prompt(i: int, chars: int = 2000) -> str:
+    """A long system prompt of tenant `i`: tenants share nothing, a tenant's requests all."""
+    text = " ".join(f"Tenant {i} policy clause {j}: answer precisely and cite sources."
+                    for j in range(chars // 40))
+    return text[:chars]
+
+
 def poll(predicate, deadline_s: float = 10.0, interval_s: float = 0.05):
     """Wait for `predicate()` to return a truthy value, or fail at the deadline."""
     end = time.monotonic() + deadline_s

@@ -48,16 +48,19 @@ def vllm_replicas(tmp_path_factory):
     launch.stop_replicas(reps)
 
 
-def engine_counters(url: str) -> tuple[float, float]:
-    """(prefix-cache hit tokens, query tokens) from the engine's own /metrics."""
-    hits = queries = 0.0
+def engine_sums(url: str, *names: str) -> tuple[float, ...]:
+    """The named samples of the engine's own /metrics, summed over their label sets."""
+    sums = dict.fromkeys(names, 0.0)
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
-            if s.name == "vllm:prefix_cache_hits_total":
-                hits += s.value
-            elif s.name == "vllm:prefix_cache_queries_total":
-                queries += s.value
-    return hits, queries
+            if s.name in sums:
+                sums[s.name] += s.value
+    return tuple(sums[name] for name in names)
+
+
+def engine_counters(url: str) -> tuple[float, float]:
+    """(prefix-cache hit tokens, query tokens) from the engine's own /metrics."""
+    return engine_sums(url, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 
 def gateway_engine_ratios(url: str) -> dict[str, float]:
@@ -127,14 +130,8 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
 
 def engine_prefill_rate_counters(url: str) -> tuple[float, float]:
     """(prefilled tokens, seconds requests spent in prefill) from the engine's own /metrics."""
-    tokens = seconds = 0.0
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in fam.samples:
-            if s.name == "vllm:request_prefill_kv_computed_tokens_sum":
-                tokens += s.value
-            elif s.name == "vllm:request_prefill_time_seconds_sum":
-                seconds += s.value
-    return tokens, seconds
+    return engine_sums(url, "vllm:request_prefill_kv_computed_tokens_sum",
+                       "vllm:request_prefill_time_seconds_sum")
 
 
 # The gateway needs routing.steps.RATE_MIN_SAMPLES steps it can attribute to prefills, and how

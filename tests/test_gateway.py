@@ -15,6 +15,7 @@ import pytest
 
 from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.stats import render_table
+from tests.conftest import tenant_prompt
 from tests.inprocess import Harness, gateway, sim_handler, two_pools
 
 T = TypeVar("T")
@@ -30,12 +31,6 @@ async def eventually(check: Callable[[], Awaitable[T]], deadline_s: float = 15.0
         if time.monotonic() > end:
             raise AssertionError(f"condition not met within {deadline_s}s")
         await asyncio.sleep(0.02)
-
-
-def tenant_prompt(i: int, chars: int = 2000) -> str:
-    text = " ".join(f"Tenant {i} policy clause {j}: answer precisely and cite sources."
-                    for j in range(chars // 40))
-    return text[:chars]
 
 
 @pytest.fixture

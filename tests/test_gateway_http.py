@@ -12,11 +12,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def tenant_prompt(i: int, chars: int = 2000) -> str:
-    text = " ".join(f"Tenant {i} policy clause {j}: answer precisely and cite sources."
-                    for j in range(chars // 40))
-    return text[:chars]
+from tests.conftest import tenant_prompt
 
 
 def client(url: str, **kw) -> openai.OpenAI:

@@ -50,7 +50,7 @@ def test_cached_prefix_gives_lower_ttft_than_uncached() -> None:
 
 def test_profiles_match_their_calibration_points() -> None:
     qwen, llama = PROFILES["qwen-32b-h200"], PROFILES["llama-8b-h200"]
-    # ENGINES.md: a cached 16k prefix + 512 new tokens takes 0.16 s on the 32B shape ...
+    # The qwen-32b-h200 profile was fitted to: a cached 16k prefix + 512 new tokens takes 0.16 s ...
     assert qwen.ttft_s(16_384 + 512, 16_384) == pytest.approx(0.162, rel=0.05)
     # ... against 2.1 s cold, and 8k tokens prefill at about 8.3k (32B) / 32k (8B) tokens/s.
     assert qwen.ttft_s(16_384) == pytest.approx(2.114, rel=0.05)
