@@ -31,7 +31,7 @@ class ScriptedReplica:
 
 def make_pool() -> tuple[Pool, dict[str, ScriptedReplica], HealthMonitor, GatewayMetrics]:
     spec = PoolSpec("p", "vllm", ("m",), (ReplicaSpec("a", A), ReplicaSpec("b", B)),
-                    health=HealthTiming(failure_threshold=2, timeout_s=0.05))
+                    health=HealthTiming(failure_threshold=2, timeout_s=0.5))
     pool = Pool(spec, Router((), build_policy("least_load")))
     replicas = {A: ScriptedReplica(), B: ScriptedReplica()}
     metrics = GatewayMetrics()
@@ -41,8 +41,9 @@ def make_pool() -> tuple[Pool, dict[str, ScriptedReplica], HealthMonitor, Gatewa
 
 
 async def probe_all(monitor: HealthMonitor, pool: Pool) -> None:
-    for r in pool.replicas.values():
-        await monitor.probe(pool, r)
+    # A probe timeout generous enough that an answering replica never misses it on a busy
+    # machine; the replicas are probed together, as the monitor does.
+    await asyncio.gather(*(monitor.probe(pool, r) for r in pool.replicas.values()))
 
 
 def healthy(pool: Pool, model: str = "m") -> list[str]:
