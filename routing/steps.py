@@ -99,6 +99,7 @@ class StepTimer:
                 r.step_s = gap
             elif gap < OUTLIER_STEPS * est:
                 r.step_s = est + STEP_EWMA * (gap - est)
+        r.prev_start = r.prev_end
         r.prev_end = last
         r.last_end = now
         r.prefill = 0.0
@@ -153,9 +154,8 @@ class StepTimer:
                                                                       self._same_step_s(r)):
             return
         r.firsts += 1
-        start, step = r.prev_end, r.step_s
-        if r.prefill is not None and start is not None and step is not None and (
-                dispatched_at >= start - step or r.prev_decode_only):
+        if r.prefill is not None and (dispatched_at >= _step_before_began(r)
+                                      or r.prev_decode_only):
             # This step carried the whole prefill: the request was sent while the step before
             # ran (or after this one seemed to begin: a chunk reaches the gateway a little
             # before the engine starts its next step), or the step before was decode alone (a
@@ -168,7 +168,7 @@ class StepTimer:
         """Nothing in flight there: the next chunk starts a new run of steps, not a gap."""
         r = self._replicas.get(replica)
         if r is not None:
-            r.last_end = r.prev_end = None
+            r.last_end = r.prev_end = r.prev_start = None
             r.prev_decode_only = False
 
     def remaining(self, replica: str, now: float) -> float:
@@ -178,6 +178,17 @@ class StepTimer:
             return 0.0
         left = r.last_end + r.step_s - now
         return left if left > 0.0 else 0.0
+
+
+def _step_before_began(r: _Steps) -> float:
+    """When the step before the last one began: its real start when both its ends were seen
+    (a long prefill step before stretches the window, as it should: a request sent during it
+    waited for it to end), else one typical step before the last one began (inf if unknown)."""
+    if r.prev_start is not None:
+        return r.prev_start
+    if r.prev_end is None or r.step_s is None:
+        return float("inf")
+    return r.prev_end - r.step_s
 
 
 def _typical_same_step_s(r: _Steps) -> float:
@@ -190,11 +201,12 @@ class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
     __slots__ = ("awaiting", "batch", "firsts", "last_end", "prefill", "prev_decode_only",
-                 "prev_end", "step_s")
+                 "prev_end", "prev_start", "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
         self.prev_end: float | None = None  # when the one before it ended
+        self.prev_start: float | None = None  # when the one before that ended
         self.step_s: float | None = None  # typical step length, a moving average
         self.batch = 0  # requests in flight when the last step ended
         self.awaiting = False  # a prefill was waiting when the step in flight began

@@ -283,6 +283,15 @@ def test_a_first_token_trailing_its_step_still_teaches_the_rate() -> None:
     assert load.steps.decode_s(1) == pytest.approx(0.050)
 
 
+def test_a_request_sent_during_a_long_step_is_credited_to_the_next() -> None:
+    # A request sent just after a long step began (another prompt's 200 ms chunk) waits for
+    # that step to end, and the next step carries its whole prefill: it teaches the rate, though
+    # it was sent earlier than one typical step before its prefill step began.
+    load = LoadTracker()
+    replay_steps(load, [(0.05, ""), (0.05, ""), (0.20, "send"), (0.10, "first")] * 25)
+    assert load.steps.rate == pytest.approx(20_000.0, rel=0.02)
+
+
 def test_chunked_prefill_teaches_nothing() -> None:
     # Each prompt is prefilled in two 100 ms chunks; only the second ends in a first token.
     # Counting that step alone would claim twice the true rate: the step before it was no
