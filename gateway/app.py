@@ -89,8 +89,9 @@ def build_admin(state: GatewayState) -> FastAPI:
 
     @app.get("/admin/stats")
     async def stats() -> dict[str, Any]:
-        """Per pool and replica: health, load, hit ratios, TTFT, decisions by reason."""
-        return state.stats.snapshot(state.pools)
+        """Per pool and replica: health, load, hit ratios, TTFT, decisions by reason; per
+        traffic class and pool under admission control: queues, slots, refusals, borrowing."""
+        return state.stats.snapshot(state.pools, state.admission)
 
     @app.get("/admin", response_class=HTMLResponse)
     async def page() -> HTMLResponse:

@@ -1,9 +1,15 @@
-"""Traffic classes: which class (and so which engine pool) a request belongs to."""
+"""Traffic classes: which class (and so which engine pool) a request belongs to, and its
+priority within the class."""
 
 from __future__ import annotations
 
+import re
+
 from gateway.config import ClassificationConfig
 from gateway.errors import bad_request
+
+# An integer as a person writes it; int() alone would also take "1_000" and thousands of digits.
+_INTEGER = re.compile(rb"\s*[+-]?[0-9]{1,18}\s*")
 
 
 class Classifier:
@@ -19,6 +25,13 @@ class Classifier:
         self.service_tier = dict(config.service_tier)
         self.default = config.default_class
         self.classes = classes
+        self.priority_header = (config.priority_header.encode() if config.priority_header
+                                else None)
+        self.priority_keys = {k.encode(): v for k, v in config.priority_api_keys.items()}
+        self.priority_min = config.priority_min
+        self.priority_max = config.priority_max
+        self.sets_priority = self.priority_header is not None or bool(self.priority_keys)
+        """False: every request has priority 0 (nothing to read)."""
 
     def classify(self, headers: dict[bytes, bytes], service_tier: object) -> str:
         if self.header is not None:
@@ -40,3 +53,23 @@ class Classifier:
         if isinstance(service_tier, str) and service_tier in self.service_tier:
             return self.service_tier[service_tier]
         return self.default
+
+    def priority(self, headers: dict[bytes, bytes]) -> int:
+        """The request's priority within its class: its priority header (clamped to the
+        configured range) if it sends one, else its API key's, else 0."""
+        priority = 0
+        if self.priority_keys:
+            auth = headers.get(b"authorization", b"")
+            if auth[:7].lower() == b"bearer ":
+                priority = self.priority_keys.get(auth[7:].strip(), 0)
+        if self.priority_header is not None:
+            value = headers.get(self.priority_header)
+            if value is not None:
+                if not _INTEGER.fullmatch(value):
+                    name = self.priority_header.decode()
+                    raise bad_request(
+                        f"Header {name} must be an integer (from {self.priority_min} to "
+                        f"{self.priority_max}); got {value.decode('latin-1')[:40]!r}.",
+                        code="invalid_priority")
+                priority = min(max(int(value), self.priority_min), self.priority_max)
+        return priority

@@ -141,6 +141,14 @@ class PoolConfig(_Strict):
     api_key: str | None = None
     routing: RoutingSettings | None = None
     health: HealthSettings = Field(default_factory=HealthSettings)
+    max_inflight_per_replica: int | None = Field(
+        None, ge=1, description="requests in flight per replica; the pool's capacity is this "
+        "times its healthy replicas. None: unlimited (no admission control for the pool)"
+    )
+    reserved_fraction: float = Field(
+        0.25, ge=0.0, le=1.0, description="share of the pool's capacity never lent to other "
+        "traffic classes (its own classes always keep it)"
+    )
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> PoolConfig:
@@ -151,9 +159,40 @@ class PoolConfig(_Strict):
         return self
 
 
+class BorrowConfig(_Strict):
+    """Another pool a class may use while that pool is lightly loaded."""
+
+    pool: str
+    while_below: float = Field(
+        0.5, gt=0.0, le=1.0, description="borrow only while the pool's load fraction (requests "
+        "in flight there / its capacity) is below this"
+    )
+
+
+class AdmissionConfig(_Strict):
+    """A traffic class's limits and queue."""
+
+    max_inflight: int | None = Field(
+        None, ge=1, description="requests of the class in flight at once, all pools together "
+        "(None: only the pools' capacities limit it)"
+    )
+    max_queue: int = Field(256, ge=0, description="requests waiting for a slot; beyond, 429")
+    max_queue_wait_s: float = Field(
+        30.0, gt=0, description="longest wait for a slot; then 429"
+    )
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After header of its 429s")
+    borrow: list[BorrowConfig] = Field(
+        default_factory=list, description="other pools the class may use, in this order"
+    )
+
+
 class TrafficClassConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     pool: str
+    priority: int = Field(
+        0, description="rank among the classes that wait for the same pool (higher first)"
+    )
+    admission: AdmissionConfig | None = None
 
 
 class ClassificationConfig(_Strict):
@@ -165,11 +204,32 @@ class ClassificationConfig(_Strict):
         default_factory=dict, description="OpenAI service_tier value -> class"
     )
     default_class: str
+    priority_header: str | None = Field(
+        None, description="request header giving the request's priority within its class "
+        "(an integer, clamped to priority_min..priority_max)"
+    )
+    priority_api_keys: dict[str, int] = Field(
+        default_factory=dict, description="bearer key -> priority within its class"
+    )
+    priority_min: int = Field(-10, description="lowest priority a request can have")
+    priority_max: int = Field(10, description="highest priority a request can have")
 
-    @field_validator("header")
+    @field_validator("header", "priority_header")
     @classmethod
     def _lower(cls, v: str | None) -> str | None:
         return v.lower() if v else v
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> ClassificationConfig:
+        if self.priority_min > self.priority_max:
+            raise ValueError(f"priority_min ({self.priority_min}) is above priority_max "
+                             f"({self.priority_max})")
+        for key, value in self.priority_api_keys.items():
+            if not self.priority_min <= value <= self.priority_max:
+                raise ValueError(f"priority_api_keys[{key[:4] + '...'!r}] = {value} is outside "
+                                 f"priority_min..priority_max ({self.priority_min}.."
+                                 f"{self.priority_max})")
+        return self
 
 
 class ServerConfig(_Strict):
@@ -219,6 +279,7 @@ class GatewayConfig(_Strict):
             if c.pool not in pools:
                 raise ValueError(f"traffic class {c.name!r} names unknown pool {c.pool!r}; "
                                  f"pools are {pools}")
+        self._check_borrowing()
         cl = self.classification
         known = set(classes)
         if cl.default_class not in known:
@@ -231,6 +292,46 @@ class GatewayConfig(_Strict):
                     raise ValueError(f"classification.{where}[{shown!r}] names unknown "
                                      f"traffic class {v!r}; classes are {sorted(known)}")
         return self
+
+    def _check_borrowing(self) -> None:
+        pools = {p.name: p for p in self.pools}
+        for c in self.traffic_classes:
+            lenders = [b.pool for b in c.admission.borrow] if c.admission else []
+            if not lenders:
+                continue
+            own = pools[c.pool]
+            where = f"traffic class {c.name!r}: admission.borrow"
+            if own.max_inflight_per_replica is None:
+                raise ValueError(f"{where}: its pool {own.name!r} has no "
+                                 "max_inflight_per_replica, so it never runs out of room and "
+                                 "would never borrow; set one")
+            if len(set(lenders)) != len(lenders):
+                raise ValueError(f"{where} names a pool twice: {lenders}")
+            for name in lenders:
+                lender = pools.get(name)
+                if lender is None:
+                    raise ValueError(f"{where} names unknown pool {name!r}; pools are "
+                                     f"{sorted(pools)}")
+                if name == own.name:
+                    raise ValueError(f"{where} names the class's own pool {name!r}")
+                if lender.max_inflight_per_replica is None:
+                    raise ValueError(f"{where}: pool {name!r} has no max_inflight_per_replica, "
+                                     "so its load cannot be measured; set one to lend it")
+                if not self.served_models(lender) & self.served_models(own):
+                    raise ValueError(f"{where}: pool {name!r} serves none of the models of "
+                                     f"pool {own.name!r}")
+
+    @staticmethod
+    def served_models(pool: PoolConfig) -> set[str]:
+        return set(pool.models).union(*(r.models or () for r in pool.replicas))
+
+    def admission_for(self, traffic_class: TrafficClassConfig) -> AdmissionConfig | None:
+        """The class's admission settings: its own, the defaults when only its pool has a
+        limit, None when neither does (no admission control: requests are forwarded at once)."""
+        if traffic_class.admission is not None:
+            return traffic_class.admission
+        pool = next(p for p in self.pools if p.name == traffic_class.pool)
+        return AdmissionConfig() if pool.max_inflight_per_replica is not None else None
 
     @model_validator(mode="before")
     @classmethod

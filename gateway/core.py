@@ -14,12 +14,14 @@ import orjson
 
 from backends.pool import Pool, ReplicaState
 from backends.upstream import ConnectFailed, ConnectionDropped, Timeouts, UpstreamResponse
+from gateway.admission import Refused
 from gateway.attempt import Attempt
 from gateway.errors import GatewayError, model_not_found, no_replica, upstream_failed
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.outcome import Finished, Outcome
 from gateway.relay import (
     ReadFailure,
+    StreamBody,
     relay_assembled,
     relay_error_status,
     relay_passthrough,
@@ -50,6 +52,8 @@ class _Call:
     client_auth: str | None
     assemble: bool
     """Stream from the replica and rebuild the JSON response here (to time it)."""
+    priority: int
+    """Its place in its class's admission queue (higher first)."""
 
 
 @dataclass(slots=True)
@@ -86,11 +90,15 @@ class RequestCore:
         self.route_headers = cfg.response_headers
         self.explain_headers = cfg.explain_headers
         self.internal_stream = cfg.non_streaming_ttft
+        self.admission = state.admission
+        self.gates = state.admission.classes
+        """Traffic classes under admission control (empty when none is configured)."""
 
     async def handle(self, request: InferenceRequest, link: ClientLink | None = None) -> Reply:
         """The reply to `request`; errors come back as OpenAI-shaped error replies.
 
-        Prepare, route, then try the chosen replica and its fallbacks until one answers or
+        Prepare, wait for admission (when its class is under admission control), route on the
+        granted pool, then try the chosen replica and its fallbacks until one answers or
         something has reached the client. (One coroutine for all of it: every level of
         awaiting is paid again each time the request waits on the network.)
         """
@@ -103,43 +111,80 @@ class RequestCore:
             return error_reply(err)
         obs = self.state.observer
         pool = call.pool
-        views = pool.healthy_views(request.model)
-        if not views:
-            obs.finished(Finished(pool.name, "none", call.traffic_class, "503",
+        grant = None
+        gate = self.gates.get(call.traffic_class)
+        if gate is not None:
+            # The routing decision is made below, once the request holds a slot: it sees the
+            # load of the moment it leaves the queue, not of the moment it arrived.
+            grant = self.admission.try_now(gate, request.model)
+            if grant is None:
+                try:
+                    grant = await self.admission.wait(gate, request.model, call.priority, link)
+                except GatewayError as err:
+                    obs.finished(Finished(pool.name, "none", call.traffic_class,
+                                          str(err.status), perf_counter() - request.received_at))
+                    return error_reply(err, err.headers if isinstance(err, Refused) else None)
+                if grant is None:  # the client left while queued
+                    obs.finished(Finished(pool.name, "none", call.traffic_class, "499",
+                                          perf_counter() - request.received_at))
+                    return Reply(499, [], b"")
+        handed_over = False  # the slot is released by the stream, when it ends
+        try:
+            limit = None
+            if grant is not None:
+                limit = grant.per_replica
+                if grant.pool is not pool:
+                    pool = await self._borrow(call, grant.pool)
+            views = pool.healthy_views(request.model)
+            if limit is not None and views:
+                # Replicas at their limit are hidden from routing. Admission keeps some replica
+                # free (capacity = limit x usable replicas), unless the free ones do not serve
+                # this model: then the replicas that do take it, over their limit.
+                views = [v for v in views if v.inflight < limit] or views
+            if not views:
+                obs.finished(Finished(pool.name, "none", call.traffic_class, "503",
+                                      perf_counter() - request.received_at))
+                return error_reply(no_replica(pool.name))
+            first = decision = pool.router.route(call.routing, views)
+            obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
+            candidates = [decision.replica, *decision.fallbacks]
+            last_error = ""
+            tried = 0
+            again: set[str] = set()
+            for i, name in enumerate(candidates):
+                if tried == self.max_attempts:
+                    break
+                replica = pool.replicas[name]
+                if tried:
+                    # Skip fallbacks that failed or filled up meanwhile; they do not use up an
+                    # attempt.
+                    if not (replica.healthy or replica.suspect) or (
+                            limit is not None and pool.load.inflight.get(name, 0) >= limit):
+                        continue
+                    if name != decision.replica:
+                        decision = pool.router.reroute(call.routing, first, name)
+                    obs.retried(pool.name, name)
+                tried += 1
+                final = tried == self.max_attempts or i == len(candidates) - 1
+                result = await self._attempt(call, replica, decision, final, link)
+                if isinstance(result, Reply):
+                    if grant is not None and isinstance(result.body, StreamBody):
+                        result.body.on_end = grant.release
+                        handed_over = True
+                    return result
+                last_error = result.detail
+                if result.never_sent and i == len(candidates) - 1 and name not in again:
+                    # Nothing else to try, and the request never left: a connect that timed
+                    # out is as often a CPU-starved host as a replica gone, so try it again.
+                    again.add(name)
+                    candidates.append(name)
+            obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
                                   perf_counter() - request.received_at))
-            return error_reply(no_replica(pool.name))
-        first = decision = pool.router.route(call.routing, views)
-        obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
-        candidates = [decision.replica, *decision.fallbacks]
-        last_error = ""
-        tried = 0
-        again: set[str] = set()
-        for i, name in enumerate(candidates):
-            if tried == self.max_attempts:
-                break
-            replica = pool.replicas[name]
-            if tried:
-                # Skip fallbacks that failed meanwhile; they do not use up an attempt.
-                if not (replica.healthy or replica.suspect):
-                    continue
-                if name != decision.replica:
-                    decision = pool.router.reroute(call.routing, first, name)
-                obs.retried(pool.name, name)
-            tried += 1
-            final = tried == self.max_attempts or i == len(candidates) - 1
-            result = await self._attempt(call, replica, decision, final, link)
-            if isinstance(result, Reply):
-                return result
-            last_error = result.detail
-            if result.never_sent and i == len(candidates) - 1 and name not in again:
-                # Nothing else to try, and the request never left: a connect that timed out
-                # is as often a CPU-starved host as a replica gone, so try it again.
-                again.add(name)
-                candidates.append(name)
-        obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
-                              perf_counter() - request.received_at))
-        return error_reply(upstream_failed(pool.name, last_error or
-                                           "no healthy replica left to try"))
+            return error_reply(upstream_failed(pool.name, last_error or
+                                               "no healthy replica left to try"))
+        finally:
+            if grant is not None and not handed_over:
+                grant.release()
 
     def _prepare(self, request: InferenceRequest) -> _Call:
         """Classify, check the model, hash the prompt (as characters: engine tokens are
@@ -173,8 +218,21 @@ class RequestCore:
             if h in headers:
                 fwd[h.decode()] = headers[h].decode("latin-1")
         auth = headers.get(b"authorization")
+        priority = request.priority
+        if priority is None:
+            classifier = state.classifier
+            priority = classifier.priority(headers) if classifier.sets_priority else 0
         return _Call(request, pool, cls, routing, body, fwd,
-                     auth.decode("latin-1") if auth else None, assemble)
+                     auth.decode("latin-1") if auth else None, assemble, priority)
+
+    async def _borrow(self, call: _Call, pool: Pool) -> Pool:
+        """The call moves to a pool its class borrows: hashed again, as that pool hashes."""
+        call.pool = pool
+        if pool.hashes_engine_tokens:
+            await self._hash_engine_tokens(call)
+        else:
+            call.routing = _hash_chars(call.request, pool, call.traffic_class)
+        return pool
 
     async def _hash_engine_tokens(self, call: _Call) -> None:
         """The engine's own tokens, from a replica; characters when none can tokenise."""

@@ -17,19 +17,28 @@ def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int
     """Two pools: `realtime` (vLLM-like replicas) and `batch` (trtllm-serve-like replicas).
 
     Requests choose a class with the `x-traffic-class` header or OpenAI's `service_tier`
-    (`flex` means batch); everything else is realtime.
+    (`flex` means batch); everything else is realtime. Under admission control: each replica
+    takes 64 requests at once, the classes queue beyond that (realtime first), and realtime
+    borrows the batch pool while that pool is less than half busy, never its reserved quarter.
     """
     return parse_config({
         "server": {"host": "127.0.0.1", "port": port},
         "pools": [
             {"name": "realtime", "engine": realtime_engine, "models": [model],
+             "max_inflight_per_replica": 64, "reserved_fraction": 0.25,
              "replicas": [{"name": f"realtime-{i}", "url": u}
                           for i, u in enumerate(realtime_urls)]},
             {"name": "batch", "engine": batch_engine, "models": [model],
+             "max_inflight_per_replica": 64, "reserved_fraction": 0.25,
              "replicas": [{"name": f"batch-{i}", "url": u} for i, u in enumerate(batch_urls)]},
         ],
-        "traffic_classes": [{"name": "realtime", "pool": "realtime"},
-                            {"name": "batch", "pool": "batch"}],
+        "traffic_classes": [
+            {"name": "realtime", "pool": "realtime", "priority": 10,
+             "admission": {"max_queue": 256, "max_queue_wait_s": 30,
+                           "borrow": [{"pool": "batch", "while_below": 0.5}]}},
+            {"name": "batch", "pool": "batch", "priority": 0,
+             "admission": {"max_queue": 4096, "max_queue_wait_s": 300}},
+        ],
         "classification": {"header": "x-traffic-class",
                            "service_tier": {"flex": "batch", "default": "realtime",
                                             "priority": "realtime", "auto": "realtime"},

@@ -104,7 +104,8 @@ class InferenceEndpoint:
 
 class EdgeLink(ClientLink):
     """A ClientLink that listens for the ASGI client's disconnect, from the moment the core
-    registers an upstream response until the reply is sent."""
+    queues the request for admission or registers an upstream response, until the reply is
+    sent."""
 
     __slots__ = ("_receive", "_watcher")
 

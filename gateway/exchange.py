@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Protocol
@@ -31,6 +31,9 @@ class InferenceRequest:
     traffic_class: str | None = None
     """Already known (e.g. a batch runner's); None: classified from headers and body."""
     received_at: float = field(default_factory=perf_counter)
+    priority: int | None = None
+    """Its priority within its class, when already known; None: from headers (see
+    `classification.priority_header`), else 0."""
 
 
 class ReplyStream(Protocol):
@@ -56,24 +59,41 @@ class ClientLink:
     """The request's tie to its client: tells the core when the client has gone away.
 
     The edge calls `client_gone()` on a disconnect; the core attaches the upstream response
-    being read, so that it is dropped at once and the engine stops generating.
+    being read, so that it is dropped at once and the engine stops generating, and while the
+    request waits for admission, it registers what drops it from the queue.
     """
 
-    __slots__ = ("gone", "upstream")
+    __slots__ = ("gone", "on_gone", "upstream")
 
     def __init__(self) -> None:
         self.gone = False
         self.upstream: UpstreamResponse | None = None
+        self.on_gone: Callable[[], None] | None = None
 
     def watch(self) -> None:
-        """An upstream response is now attached (maybe again, on a retry): a subclass starts
-        listening for its client here. Not sooner: until then a disconnect has nothing to
-        drop, and most requests end before a listener would ever run."""
+        """An upstream response is now attached (maybe again, on a retry), or the request
+        waits in an admission queue: a subclass starts listening for its client here. Not
+        sooner: until then a disconnect has nothing to drop, and most requests end before a
+        listener would ever run."""
 
     def client_gone(self) -> None:
         self.gone = True
         if self.upstream is not None:
             self.upstream.abort()
+        if self.on_gone is not None:
+            on_gone, self.on_gone = self.on_gone, None
+            on_gone()
+
+    def queued(self, on_gone: Callable[[], None] | None) -> None:
+        """The request waits in an admission queue: `on_gone` drops it from there if the
+        client leaves (called at once if it already has). None: it left the queue."""
+        self.on_gone = on_gone
+        if on_gone is None:
+            return
+        if self.gone:
+            self.client_gone()
+        else:
+            self.watch()
 
     def attach(self, upstream: UpstreamResponse) -> None:
         """The response now being read; dropped at once if the client has already left."""

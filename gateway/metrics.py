@@ -16,6 +16,9 @@ from gateway.metric_families import (
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5,
                 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+# From no wait at all (most requests, in the first bucket) to a long queue of batch work.
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                      20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                     160.0, 320.0, 640.0)
 
@@ -85,6 +88,26 @@ class GatewayMetrics:
             "gateway_prefix_match_fraction", "Fraction of the prompt's blocks the router expected "
             "to be cached on the chosen replica.", ("pool",),
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
+        # Admission control (only for the classes and pools it is configured for).
+        self.queue_wait = HistogramFamily(
+            "gateway_queue_wait_seconds", "Time requests waited for an admission slot, however "
+            "the wait ended (0 for those admitted at once).", ("traffic_class",),
+            buckets=QUEUE_WAIT_BUCKETS)
+        self.queue_depth = GaugeFamily(
+            "gateway_queue_depth", "Requests waiting for an admission slot.", ("traffic_class",))
+        self.admission_inflight = GaugeFamily(
+            "gateway_admission_inflight", "Admitted requests holding a slot, by the pool they "
+            "were granted (their own or a lender).", ("traffic_class", "pool"))
+        self.admission_capacity = GaugeFamily(
+            "gateway_admission_capacity", "Slots of the pool: max_inflight_per_replica times "
+            "its healthy replicas.", ("pool",))
+        self.admission_rejected = CounterFamily(
+            "gateway_admission_rejected", "Requests refused with 429: the class's queue was "
+            "full (queue_full) or they waited max_queue_wait_s (queue_timeout).",
+            ("traffic_class", "reason"))
+        self.borrowed = CounterFamily(
+            "gateway_borrowed", "Requests admitted on another class's pool (borrowed).",
+            ("traffic_class", "pool"))
         self.registry.register(FamilyCollector(self.families()))
 
     def families(self) -> list[Family]:

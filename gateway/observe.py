@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from backends.pool import Pool, ReplicaState
 from gateway.metrics import GatewayMetrics
@@ -94,3 +94,45 @@ class Observer:
         for name, step in steps.step_times().items():
             self.m.engine_step.set((pool.name, name), step)
         self.m.prefill_rate.set((pool.name,), steps.rate)
+
+    # Admission control (gateway/admission.py) ------------------------------------------------
+
+    def admission_started(self, classes: dict[str, list[str]],
+                          capacities: dict[str, int]) -> None:
+        """Each class's series (and its pools') exist from the start, at zero."""
+        m = self.m
+        for cls, pools in classes.items():
+            m.queue_depth.set((cls,), 0)
+            for pool in pools:
+                m.admission_inflight.set((cls, pool), 0)
+        for pool, capacity in capacities.items():
+            m.admission_capacity.set((pool,), capacity)
+
+    def admission_capacity(self, pool: str, capacity: int) -> None:
+        self.m.admission_capacity.set((pool,), capacity)
+
+    def queue_depth(self, cls: str, depth: int) -> None:
+        self.m.queue_depth.set((cls,), depth)
+
+    def admitted(self, cls: str, pool: str, waited_s: float, borrowed: bool) -> None:
+        m = self.m
+        m.admission_inflight.inc((cls, pool))
+        m.queue_wait.observe((cls,), waited_s)
+        waits = self.stats.queue_waits.get(cls)
+        if waits is None:
+            waits = self.stats.queue_waits[cls] = deque(maxlen=2048)
+        waits.append(waited_s)
+        if borrowed:
+            m.borrowed.inc((cls, pool))
+            self.stats.borrowed.setdefault(cls, Counter())[pool] += 1
+
+    def admission_released(self, cls: str, pool: str) -> None:
+        self.m.admission_inflight.inc((cls, pool), -1)
+
+    def left_queue(self, cls: str, waited_s: float) -> None:
+        """A request left the queue without a slot (timed out, its client left)."""
+        self.m.queue_wait.observe((cls,), waited_s)
+
+    def admission_rejected(self, cls: str, reason: str) -> None:
+        self.m.admission_rejected.inc((cls, reason))
+        self.stats.rejected.setdefault(cls, Counter())[reason] += 1

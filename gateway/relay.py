@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 
 from backends.upstream import ReadFailed, UpstreamResponse
@@ -69,7 +71,7 @@ class StreamBody:
     """The replica's stream as the client's body. Whoever consumes it must `aclose()` it (a
     class, not a generator: an unstarted generator's `finally` never runs)."""
 
-    __slots__ = ("_attempt", "_chunks", "_done", "_link", "_resp")
+    __slots__ = ("_attempt", "_chunks", "_done", "_link", "_resp", "on_end")
 
     def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink) -> None:
         self._resp = resp
@@ -77,6 +79,8 @@ class StreamBody:
         self._link = link
         self._chunks = resp.chunks()
         self._done = False
+        self.on_end: Callable[[], None] | None = None
+        """Called once when the stream ends, however it ends (releases its admission slot)."""
 
     def __aiter__(self) -> StreamBody:
         return self
@@ -112,6 +116,8 @@ class StreamBody:
         self._link.upstream = None
         self._resp.release()
         self._attempt.end(outcome, self._resp.status)
+        if self.on_end is not None:
+            self.on_end()
 
 
 async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,

@@ -1,10 +1,13 @@
-"""Everything a running gateway holds: config, pools, classifier, upstream, observers."""
+"""Everything a running gateway holds: config, pools, classifier, admission, upstream,
+observers."""
 
 from __future__ import annotations
 
 from backends.health import HealthMonitor
+from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
 from backends.upstream.aiohttp_client import AiohttpUpstream
+from gateway.admission import Admission
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -27,15 +30,18 @@ class GatewayState:
         self.metrics = metrics or GatewayMetrics()
         self.stats = StatsRecorder()
         self.observer = Observer(self.metrics, self.stats)
+        self.admission = Admission(config, self.pool_by_name, self.observer)
         self.models = sorted({m for p in self.pools for m in p.models})
         self.upstream: Upstream = upstream or AiohttpUpstream(
             keepalive_s=config.server.upstream_keepalive_s)
-        self.monitor = HealthMonitor(self.pools, self.upstream, self.observer)
+        self.monitor = HealthMonitor(self.pools, self.upstream,
+                                     HealthEvents(self.observer, self.admission))
 
     async def start(self) -> None:
         """Probe every replica once, then keep probing in the background."""
         self.observer.pools_started(self.pools)
         await self.monitor.check_all()
+        self.admission.started()
         self.monitor.start()
 
     async def stop(self) -> None:
@@ -45,3 +51,22 @@ class GatewayState:
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}
         return all(healthy.values()), healthy
+
+
+class HealthEvents:
+    """What health checks find, told to the observer (metrics) and to admission control (a
+    pool's capacity follows its healthy replicas)."""
+
+    def __init__(self, observer: Observer, admission: Admission) -> None:
+        self.observer = observer
+        self.admission = admission
+
+    def replica_up(self, pool: str, replica: str, up: bool) -> None:
+        self.observer.replica_up(pool, replica, up)
+        self.admission.health_changed(pool)
+
+    def engine_state(self, pool: str, replica: ReplicaState) -> None:
+        self.observer.engine_state(pool, replica)
+
+    def step_timing(self, pool: Pool) -> None:
+        self.observer.step_timing(pool)

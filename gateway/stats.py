@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.pool import Pool
+
+if TYPE_CHECKING:
+    from gateway.admission import Admission
 
 
 class ReplicaStats:
@@ -26,6 +29,10 @@ class StatsRecorder:
         self.replicas: dict[str, ReplicaStats] = {}
         self.decisions: dict[str, Counter[str]] = {}
         self.classes: dict[str, Counter[str]] = {}
+        # Admission control, per traffic class.
+        self.rejected: dict[str, Counter[str]] = {}
+        self.borrowed: dict[str, Counter[str]] = {}
+        self.queue_waits: dict[str, deque[float]] = {}
 
     def replica(self, name: str) -> ReplicaStats:
         s = self.replicas.get(name)
@@ -33,8 +40,8 @@ class StatsRecorder:
             s = self.replicas[name] = ReplicaStats()
         return s
 
-    def snapshot(self, pools: list[Pool]) -> dict[str, Any]:
-        out: dict[str, Any] = {"pools": []}
+    def snapshot(self, pools: list[Pool], admission: Admission | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"pools": [], "admission": self._admission(admission)}
         for pool in pools:
             reps = []
             for r in pool.replicas.values():
@@ -75,6 +82,44 @@ class StatsRecorder:
         return out
 
 
+    def _admission(self, admission: Admission | None) -> dict[str, Any]:
+        """Per class under admission control: its queue, slots, limits, refusals, borrowing;
+        per pool with a capacity: the capacity and its load. Empty lists when none is."""
+        if admission is None:
+            return {"classes": [], "pools": []}
+        classes = []
+        for g in admission.classes.values():
+            waits = self.queue_waits.get(g.name, deque())
+            classes.append({
+                "name": g.name,
+                "pool": g.pool.name,
+                "priority": g.priority,
+                "queued": g.depth,
+                "inflight": g.inflight,
+                "inflight_by_pool": {p: n for p, n in g.by_pool.items() if n},
+                "max_inflight": g.max_inflight,
+                "max_queue": g.max_queue,
+                "max_queue_wait_s": g.max_wait,
+                "borrow": [{"pool": lender.name, "while_below": below}
+                           for lender, below in g.lenders],
+                "rejected": dict(self.rejected.get(g.name, Counter())),
+                "borrowed": dict(self.borrowed.get(g.name, Counter())),
+                "queue_wait_p50_s": _quantile(waits, 0.5),
+                "queue_wait_p95_s": _quantile(waits, 0.95),
+            })
+        pools = [{
+            "name": gate.name,
+            "max_inflight_per_replica": gate.per_replica,
+            "capacity": gate.capacity,
+            "inflight": gate.inflight,
+            "borrowed_inflight": gate.borrowed,
+            "load_fraction": round(gate.load_fraction(), 4),
+            "reserved_fraction": gate.reserved,
+            "lendable": gate.lendable,
+        } for gate in admission.pools.values()]
+        return {"classes": classes, "pools": pools}
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
@@ -113,7 +158,44 @@ def render_table(stats: dict[str, Any]) -> str:
         for row in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
         lines.append("")
+    lines += _admission_table(stats.get("admission") or {})
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _admission_table(admission: dict[str, Any]) -> list[str]:
+    classes, pools = admission.get("classes", []), admission.get("pools", [])
+    if not classes and not pools:
+        return []
+    lines = ["admission"]
+    rows = [("class", "pool", "priority", "queued", "inflight", "max_inflight", "max_queue",
+             "wait_p50", "wait_p95", "rejected", "borrowed")]
+    for c in classes:
+        rows.append((
+            c["name"], c["pool"], str(c["priority"]), str(c["queued"]),
+            _pairs(c["inflight_by_pool"]) if c["inflight"] else "0",
+            str(c["max_inflight"] or "-"), str(c["max_queue"]), _ms(c["queue_wait_p50_s"]),
+            _ms(c["queue_wait_p95_s"]), _pairs(c["rejected"]), _pairs(c["borrowed"]),
+        ))
+    lines += _columns(rows)
+    rows = [("pool", "per_replica", "capacity", "inflight", "borrowed", "load", "reserved")]
+    for p in pools:
+        rows.append((p["name"], str(p["max_inflight_per_replica"]), str(p["capacity"]),
+                     str(p["inflight"]), str(p["borrowed_inflight"]), _pct(p["load_fraction"]),
+                     _pct(p["reserved_fraction"])))
+    if len(rows) > 1:
+        lines.append("")
+        lines += _columns(rows)
+    return lines
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def _pairs(counts: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(counts.items())) or "-"
 
 
 def _pct(v: float | None) -> str:

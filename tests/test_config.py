@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, load_config, parse_config
 from tests.conftest import ROOT
+from tests.inprocess import two_pools
 
 
 def test_example_configs_are_valid() -> None:
@@ -70,3 +71,88 @@ def test_check_flag_validates_without_serving() -> None:
                         str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check"],
                        capture_output=True, text=True, check=True)
     assert "valid" in r.stdout and "realtime (vllm, 3 replicas)" in r.stdout
+
+
+# Admission control ----------------------------------------------------------------------------
+
+
+def admission_dict(**classes: dict) -> dict:
+    """Two pools with limits; realtime borrows batch; `classes` replace a class's settings."""
+    config = two_pools()
+    for pool in config["pools"]:
+        pool["max_inflight_per_replica"] = 4
+    config["traffic_classes"] = [
+        {"name": "realtime", "pool": "realtime", "priority": 10,
+         "admission": {"borrow": [{"pool": "batch", "while_below": 0.5}]}},
+        {"name": "batch", "pool": "batch"},
+    ]
+    for c in config["traffic_classes"]:
+        c.update(classes.get(c["name"], {}))
+    return config
+
+
+def test_admission_settings_and_their_defaults() -> None:
+    config = parse_config(admission_dict())
+    realtime, batch = config.traffic_classes
+    assert config.admission_for(realtime).borrow[0].pool == "batch"
+    # A class without its own settings, on a pool with a limit: the defaults.
+    assert config.admission_for(batch).max_queue == 256
+    assert config.pools[0].reserved_fraction == 0.25
+    plain = parse_config(admission_dict(realtime={"admission": None}) | {"pools": [
+        {k: v for k, v in p.items() if k != "max_inflight_per_replica"}
+        for p in admission_dict()["pools"]]})
+    assert [plain.admission_for(c) for c in plain.traffic_classes] == [None, None]
+
+
+def _without_limit(pool: str) -> dict:
+    config = admission_dict()
+    next(p for p in config["pools"] if p["name"] == pool).pop("max_inflight_per_replica")
+    return config
+
+
+def _pool_setting(key: str, value) -> dict:
+    config = admission_dict()
+    config["pools"][1][key] = value
+    return config
+
+
+def _classification(**kw) -> dict:
+    config = admission_dict()
+    config["classification"].update(kw)
+    return config
+
+
+def _borrow(*entries: dict) -> dict:
+    return admission_dict(realtime={"admission": {"borrow": list(entries)}})
+
+
+@pytest.mark.parametrize(("config", "error"), [
+    (_borrow({"pool": "nowhere"}), "admission.borrow names unknown pool 'nowhere'"),
+    (_borrow({"pool": "realtime"}), "names the class's own pool 'realtime'"),
+    (_borrow({"pool": "batch"}, {"pool": "batch"}), "names a pool twice"),
+    (_borrow({"pool": "batch", "while_below": 0}), "while_below: Input should be greater than 0"),
+    (_borrow({"pool": "batch", "while_below": 1.5}), "while_below: Input should be less than or "
+     "equal to 1"),
+    (_borrow({"pool": "batch", "whle_below": 0.5}), "whle_below: unknown key"),
+    (_without_limit("batch"), "pool 'batch' has no max_inflight_per_replica, so its load cannot "
+     "be measured"),
+    (_without_limit("realtime"), "its pool 'realtime' has no max_inflight_per_replica"),
+    (_pool_setting("reserved_fraction", 1.5), "reserved_fraction: Input should be less than or "
+     "equal to 1"),
+    (_pool_setting("max_inflight_per_replica", 0), "max_inflight_per_replica: Input should be "
+     "greater than or equal to 1"),
+    (_pool_setting("models", ["other"]), "pool 'batch' serves none of the models of pool "
+     "'realtime'"),
+    (admission_dict(batch={"admission": {"max_queue": -1}}), "max_queue: Input should be "
+     "greater than or equal to 0"),
+    (admission_dict(batch={"admission": {"max_queue_wait_s": 0}}), "max_queue_wait_s: Input "
+     "should be greater than 0"),
+    (admission_dict(batch={"priority": "high"}), "priority: Input should be a valid integer"),
+    (_classification(priority_min=5, priority_max=1), "priority_min (5) is above priority_max"),
+    (_classification(priority_api_keys={"sk-vip": 50}), "priority_api_keys['sk-v...'] = 50 is "
+     "outside priority_min..priority_max (-10..10)"),
+])
+def test_admission_mistakes_are_explained(config: dict, error: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(config)
+    assert error in str(exc.value)
