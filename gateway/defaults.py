@@ -50,10 +50,14 @@ def one_pool_config(replica_urls: list[str], port: int, *, pool: str = "default"
                     engine: str = "vllm", models: tuple[str, ...] = (DEFAULT_MODEL,),
                     replica_prefix: str = "replica", routing: dict[str, Any] | None = None,
                     health: dict[str, Any] | None = None,
-                    server: dict[str, Any] | None = None) -> dict[str, Any]:
+                    server: dict[str, Any] | None = None,
+                    pool_settings: dict[str, Any] | None = None,
+                    class_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """A config (as a dict, to write as YAML) with one pool and one traffic class.
 
-    Tests and benchmarks build their gateways with this, each overriding what it measures.
+    Tests and benchmarks build their gateways with this, each overriding what it measures;
+    `pool_settings` and `class_settings` are more keys of the pool and of the class (e.g.
+    `max_inflight_per_replica`, `admission`).
     """
     pool_cfg: dict[str, Any] = {
         "name": pool, "engine": engine, "models": list(models),
@@ -62,10 +66,11 @@ def one_pool_config(replica_urls: list[str], port: int, *, pool: str = "default"
     }
     if health:
         pool_cfg["health"] = health
+    pool_cfg.update(pool_settings or {})
     cfg: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port, **(server or {})},
         "pools": [pool_cfg],
-        "traffic_classes": [{"name": "default", "pool": pool}],
+        "traffic_classes": [{"name": "default", "pool": pool, **(class_settings or {})}],
         "classification": {"default_class": "default"},
     }
     if routing:

@@ -31,7 +31,8 @@ class GatewayMetrics:
         rl = ("pool", "replica", "traffic_class")
         self.requests = CounterFamily(
             "gateway_requests", "Requests finished, by replica and the HTTP status the client got "
-            "(499: the client left first; replica 'none' with 503: no healthy replica).",
+            "(499: the client left first; replica 'none' with 503: no healthy replica, with 429: "
+            "refused by admission control, with 499: the client left while queued).",
             (*rl, "status"))
         self.ttft = HistogramFamily(
             "gateway_time_to_first_token_seconds", "Time from request arrival at the gateway to "

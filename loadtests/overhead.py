@@ -8,9 +8,14 @@ With --baseline-root DIR, a second gateway runs from the checkout in DIR (its ow
 this one, and every repetition runs direct, baseline and current in a rotating order; the
 table then puts baseline and current side by side with their ratio.
 
+With --admission N, this checkout's gateway runs under admission control (the pool's
+max_inflight_per_replica N, the class's admission defaults); a baseline never does, so
+`--baseline-root . --admission N` measures what admission control costs.
+
     python -m loadtests.overhead        # the full run: about 3 minutes of measurement
     python -m loadtests.overhead --duration 1 --reps 1 --rates 200   # a quick check
     python -m loadtests.overhead --baseline-root ../old   # A/B against another checkout
+    python -m loadtests.overhead --baseline-root . --admission 64   # admission's own cost
 """
 
 from __future__ import annotations
@@ -53,13 +58,16 @@ def pin_self(core: int) -> None:
 
 def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
                   internal_stream: bool = True, root: Path = REPO,
-                  policy: str = "prefix_affinity") -> tuple[subprocess.Popen, str]:
+                  policy: str = "prefix_affinity",
+                  admission: int | None = None) -> tuple[subprocess.Popen, str]:
     """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
-    from."""
+    from; `admission`, a max_inflight_per_replica that puts it under admission control."""
+    pool = {"max_inflight_per_replica": admission} if admission else None
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server={"non_streaming_ttft": internal_stream})
+                                    server={"non_streaming_ttft": internal_stream},
+                                    pool_settings=pool)
     return proc, url
 
 
@@ -178,12 +186,13 @@ async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: fl
 
 @contextlib.contextmanager
 def fleet(count: int, internal_stream: bool = True,
-          baseline_root: Path | None = None) -> Iterator[dict]:
+          baseline_root: Path | None = None, admission: int | None = None) -> Iterator[dict]:
     """Stubs and a gateway in front of them (and one from `baseline_root`, when given), all on
     the server core; stopped on exit."""
     with Fleet() as f:
         stub, urls = f.start_stubs(count, core=SERVER_CORE)
-        gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream)
+        gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream,
+                                   admission=admission)
         out = {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
         if baseline_root is not None:
             base, base_url = start_gateway(f, urls, "baseline", internal_stream=internal_stream,
@@ -223,7 +232,8 @@ def measure(args: argparse.Namespace) -> dict:
     are "baseline" and "current", else "gateway"."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
-    with fleet(args.replicas, not args.no_internal_stream, baseline_root) as f:
+    with fleet(args.replicas, not args.no_internal_stream, baseline_root,
+               args.admission) as f:
         stub_pid = f["stub"].pid
         # name: (URLs round robin, PIDs whose CPU counts, the gateway's PID or None).
         # Direct: the load generator talks to the stubs itself, round robin over them.
@@ -306,6 +316,8 @@ def summarise(res: dict) -> dict:
 
 
 def print_table(s: dict, args: argparse.Namespace) -> None:
+    if getattr(args, "admission", None):
+        print(f"\ngateway under admission control, max_inflight_per_replica {args.admission}")
     print(f"\nclosed loop, c={args.concurrency}, {args.duration:g}s x {args.reps} reps "
           "(median, [min..max])")
     print(f"{'mode':11} {'direct req/s':>22} {'gateway req/s':>22} {'gw CPU-ms/req':>20}"
@@ -367,7 +379,9 @@ def summarise_ab(res: dict) -> list[dict]:
 
 
 def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"\nbaseline ({args.baseline_root}) vs current gateway; closed loop c="
+    current = (f"current gateway (admission control, max_inflight_per_replica "
+               f"{args.admission})" if getattr(args, "admission", None) else "current gateway")
+    lines = [f"\nbaseline ({args.baseline_root}) vs {current}; closed loop c="
              f"{args.concurrency}, open loop at each rate; {args.duration:g}s x {args.reps} reps "
              "interleaved with direct (median [min..max]; added = gateway - direct per rep)",
              f"{'measurement':22} {'metric':20} {'baseline':>28} {'current':>28} "
@@ -404,7 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-root", type=Path, metavar="DIR",
                     help="also run a gateway from the checkout in DIR (its own code) and "
                          "compare it with this one, interleaved")
+    ap.add_argument("--admission", type=int, metavar="N",
+                    help="run this checkout's gateway under admission control, with "
+                         "max_inflight_per_replica N (a baseline runs without)")
     args = ap.parse_args(argv)
+    if args.admission is not None and args.admission < 1:
+        ap.error("--admission must be at least 1")
     if args.reps < 1 or args.duration <= 0:
         ap.error("--reps must be at least 1 and --duration positive")
     if args.baseline_root and not (args.baseline_root / "gateway" / "cli.py").is_file():

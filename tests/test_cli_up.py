@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -58,6 +60,14 @@ def test_up_serves_both_pools_and_stops_everything(tmp_path, sig) -> None:
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2,
             extra_headers={"x-traffic-class": "batch"})
         assert bt.headers["x-gateway-replica"].startswith("batch-")
+        # Admission control is on: 64 slots per replica, realtime may borrow the batch pool.
+        table = subprocess.run([sys.executable, "-m", "gateway.cli", "stats", "--url", url],
+                               capture_output=True, text=True, check=True).stdout
+        rows = [line.split() for line in table.split("admission\n", 1)[1].splitlines()]
+        assert ["realtime", "64", "192", "0", "0", "0.0%", "25.0%"] in rows
+        assert ["batch", "64", "128", "0", "0", "0.0%", "25.0%"] in rows
+        stats = httpx.get(url + "/admin/stats").json()["admission"]
+        assert stats["classes"][0]["borrow"] == [{"pool": "batch", "while_below": 0.5}]
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=30) in (0, -sig, 128 + sig)
         poll(lambda: not any(alive(p) for p in replicas), deadline_s=15)
