@@ -296,6 +296,7 @@ async def test_realtime_is_served_before_batch_when_both_wait_for_one_pool() -> 
     held = holding("rt-0", "bt-0")
     config = admission_config()
     config["traffic_classes"][1]["pool"] = "realtime"  # both classes share one replica
+    config["traffic_classes"].reverse()  # rank decides, not the order they are listed in
     async with gateway(config, handlers=held) as gw:
         rt = held["rt-0"]
         tasks = [send(gw, "batch 0", cls="batch")]
@@ -318,6 +319,7 @@ async def test_at_equal_rank_a_freed_slot_goes_to_the_pools_own_class_first() ->
     config = admission_config(reserved=0.0, batch={"borrow": [
         {"pool": "realtime", "while_below": 1.0}]})
     config["traffic_classes"][0]["priority"] = 0  # the same rank as batch
+    config["traffic_classes"].reverse()  # the borrower listed first: ownership decides
     async with gateway(config, handlers=held) as gw:
         tasks = [send(gw, "realtime 0"), send(gw, "batch 0", cls="batch")]
         await until(lambda: arrived(held) == 2)
