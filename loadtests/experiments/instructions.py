@@ -6,6 +6,10 @@ of the same instant stubs as loadtests.overhead; counting is switched on only wh
 requests (concurrency 16) go through it.
 
     python -m loadtests.experiments.instructions 2000 non-stream . ../baseline
+    python -m loadtests.experiments.instructions 2000 non-stream . --admission 64
+
+With --admission N every gateway counted runs under admission control
+(max_inflight_per_replica N), so only checkouts that have it can be compared that way.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("requests", type=int)
     ap.add_argument("mode", choices=("stream", "non-stream"))
     ap.add_argument("roots", nargs="+", help="checkouts whose gateway to count")
+    ap.add_argument("--admission", type=int, metavar="N",
+                    help="admission control, max_inflight_per_replica N, in every gateway")
     args = ap.parse_args()
     stream = args.mode == "stream"
     use_uvloop()
@@ -48,7 +54,9 @@ def main() -> None:
         _, urls = fleet.start_stubs(4)
         for k, root in enumerate(args.roots):
             cfg = one_pool_config(urls, processes.free_ports(1)[0], pool="main",
-                                  replica_prefix="stub", routing={"policy": "prefix_affinity"})
+                                  replica_prefix="stub", routing={"policy": "prefix_affinity"},
+                                  pool_settings={"max_inflight_per_replica": args.admission}
+                                  if args.admission else None)
             out = f"{fleet.log_dir}/callgrind-{k}.out"
             url, proc, _ = processes.start_gateway(
                 cfg, fleet.log_dir, f"g{k}", deadline_s=300, env={"PYTHONPATH": root},
