@@ -85,6 +85,17 @@ class GatewayMetrics:
             "gateway_prefix_match_fraction", "Fraction of the prompt's blocks the router expected "
             "to be cached on the chosen replica.", ("pool",),
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
+        self.batch_lines = CounterFamily(
+            "gateway_batch_lines", "Batch lines this gateway ran, by result: completed (a 2xx "
+            "response written), failed (another status written to the error file), retried "
+            "(a try answered 429, 502, 503 or 504, or broken off, to be tried again) and "
+            "superseded (finished after another gateway wrote the line's result).", ("result",))
+        self.batch_inflight = GaugeFamily(
+            "gateway_batch_lines_in_flight", "Batch lines this gateway holds the lease of and "
+            "runs (or waits to run) now.", ())
+        self.redis_up = GaugeFamily(
+            "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
+            "(absent without a redis section).", ())
         self.registry.register(FamilyCollector(self.families()))
 
     def families(self) -> list[Family]:

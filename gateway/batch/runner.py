@@ -1,0 +1,376 @@
+"""The batch runner: claims lines under leases, runs them through the request core on the
+batch traffic class, writes each result once, and moves batches through their statuses.
+
+Every gateway sharing a Redis runs one. A line is run by whoever holds its lease; a lease is
+renewed while its line runs, and one that lapses (its gateway died) is taken over. Results
+are written with "first one wins", so a line taken over from a gateway that was only slow
+still gives one line in the output. While Redis is unreachable, lines in flight finish and
+their results wait in memory; nothing new starts until Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import socket
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from time import monotonic, perf_counter
+from typing import Any
+
+import orjson
+
+from gateway.batch.files import FileStore
+from gateway.batch.lifecycle import finalize, validate
+from gateway.batch.lines import ENDPOINTS, response_line
+from gateway.batch.redis_link import UNAVAILABLE, RedisLink
+from gateway.batch.store import TERMINAL, BatchStore, Claimed, now_s
+from gateway.config import BatchConfig
+from gateway.core import RequestCore
+from gateway.exchange import InferenceRequest, Reply
+from gateway.observe import Observer
+from gateway.sse import StreamWatcher, assemble
+
+log = logging.getLogger("prefix_gateway.batch")
+
+# Statuses that mean "not now": admission control's full queue (429), no healthy replica or
+# an overloaded one (503). The line keeps its lease and is tried again, for as long as the
+# batch's completion window lasts: capacity comes back.
+_WAIT = frozenset((429, 503))
+# Replicas that failed before answering (502, 504) or broke off mid-stream: tried again a
+# few times, then written to the error file with the status.
+_TRANSIENT = frozenset((502, 504))
+_TRANSIENT_TRIES = 5
+
+
+def gateway_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(slots=True)
+class Result:
+    batch_id: str
+    index: str
+    line: bytes
+    ok: bool
+    usage: tuple[int, int, int]
+    """prompt, cached prompt and completion tokens."""
+
+
+@dataclass(slots=True)
+class Line:
+    claimed: Claimed
+    task: asyncio.Task | None = None
+    sent: bool = False
+    """A request is at a replica (cancelling lets such a line finish)."""
+
+
+@dataclass(slots=True)
+class LocalBatch:
+    """What this gateway holds of one batch."""
+
+    chat: bool
+    path: str
+    lines: dict[str, Line] = field(default_factory=dict)
+    gates: dict[int, asyncio.Event] = field(default_factory=dict)
+    """Prefix group -> set once its leader's first token arrived (its prefix is cached)."""
+
+
+class BatchRunner:
+    def __init__(self, link: RedisLink, store: BatchStore, files: FileStore, core: RequestCore,
+                 cfg: BatchConfig, traffic_class: str, models: Collection[str],
+                 group_chars: int, observer: Observer) -> None:
+        self.link = link
+        self.store = store
+        self.files = files
+        self.core = core
+        self.cfg = cfg
+        self.traffic_class = traffic_class
+        self.models = models
+        self.group_chars = group_chars
+        self.observer = observer
+        self.me = gateway_id()
+        self.lease_ms = int(cfg.lease_s * 1000)
+        self.local: dict[str, LocalBatch] = {}
+        self.unwritten: list[Result] = []
+        self.unreleased: list[tuple[str, str]] = []
+        """Lines stopped before a result, whose leases go back to the batch."""
+        self.wake = asyncio.Event()
+        self._renewed_at = 0.0
+        self._stopping = False
+
+    # The loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled: write results, renew leases, tend every active batch."""
+        delay = 0.05
+        while not self._stopping:
+            try:
+                await self._write_results()
+                await self._renew()
+                for batch_id in await self.store.active_ids():
+                    await self._tend(batch_id)
+                self.link.mark_up()
+                delay = 0.05
+                wait = self.cfg.poll_interval_s
+            except UNAVAILABLE as exc:
+                self.link.mark_down(exc)
+                delay = min(delay * 2, 2.0)
+                wait = delay * random.uniform(0.5, 1.0)
+            except Exception:  # a bug must not stop batches for good: log it, go on
+                log.exception("batch runner step failed")
+                wait = self.cfg.poll_interval_s
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), wait)
+
+    async def stop(self) -> None:
+        """Stop running lines and give back their leases, so another gateway (or this one,
+        restarted) takes them at once; write what finished."""
+        self._stopping = True
+        self.wake.set()
+        tasks = [ln.task for lb in self.local.values() for ln in lb.lines.values() if ln.task]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(*UNAVAILABLE):
+            await self._write_results()
+
+    def inflight(self) -> int:
+        return sum(len(lb.lines) for lb in self.local.values())
+
+    # Batches ------------------------------------------------------------------------------
+
+    async def _tend(self, batch_id: str) -> None:
+        batch = await self.store.get(batch_id)
+        status = batch["status"] if batch else "gone"
+        if batch is None or status in TERMINAL:
+            self._drop(batch_id, abort=True)
+            await self.store.retire(batch_id)
+            return
+        expired = now_s() >= int(batch["expires_at"])
+        if status == "validating":
+            if expired:
+                await self._end(batch, "expired", ["validating"])
+            elif await self.store.lock(batch_id, self.me, self.lease_ms):
+                try:
+                    await validate(self.store, self.files, batch, self.models,
+                                   self.cfg.max_lines, self.group_chars)
+                finally:
+                    await self.store.unlock(batch_id, self.me)
+                self.wake.set()
+        elif status == "in_progress":
+            done = int(batch.get("completed", 0)) + int(batch.get("failed", 0))
+            if expired:
+                await self._end(batch, "expired", ["in_progress"])
+            elif done >= int(batch["total"]):
+                await self._end(batch, "completed", ["in_progress"])
+            else:
+                await self._claim(batch)
+        elif status == "cancelling":
+            self._drop(batch_id, abort=False)
+            if batch.get("ending") or await self.store.live_leases(batch_id) == 0:
+                await self._end(batch, "cancelled", ["cancelling"])
+        elif status == "finalizing":
+            await self._end(batch, batch.get("ending") or "completed", ["finalizing"])
+
+    async def _end(self, batch: dict[str, str], kind: str, allowed: list[str]) -> None:
+        """Finalise the batch as `kind`: the first gateway to get here takes its lock."""
+        batch_id = batch["id"]
+        if kind == "expired":
+            self._drop(batch_id, abort=True)  # what still runs is too late
+        status = "cancelling" if kind == "cancelled" else "finalizing"
+        fields: dict[str, Any] = {"status": status, "ending": kind}
+        if status == "finalizing" and "finalizing_at" not in batch:
+            fields["finalizing_at"] = now_s()
+        await self.store.transition(batch_id, allowed, **fields)
+        if not await self.store.lock(batch_id, self.me, self.lease_ms):
+            return
+        try:
+            fresh = await self.store.get(batch_id)
+            if fresh and fresh["status"] == status:
+                await finalize(self.store, self.files, fresh, kind)
+        finally:
+            await self.store.unlock(batch_id, self.me)
+        self._drop(batch_id, abort=True)
+
+    def _drop(self, batch_id: str, abort: bool) -> None:
+        """Stop this gateway's lines of a batch: all of them, or (cancelling) those not yet
+        at a replica, whose leases are given back."""
+        lb = self.local.get(batch_id)
+        if lb is None:
+            return
+        for ln in list(lb.lines.values()):
+            if (abort or not ln.sent) and ln.task is not None:
+                ln.task.cancel()
+        if abort:
+            self.local.pop(batch_id, None)
+
+    async def _claim(self, batch: dict[str, str]) -> None:
+        batch_id = batch["id"]
+        lb = self.local.get(batch_id)
+        if lb is None:
+            path = batch["endpoint"]
+            lb = self.local[batch_id] = LocalBatch(ENDPOINTS[path], path)
+        room = self.cfg.concurrency - len(lb.lines)
+        if room <= 0:
+            return
+        for c in await self.store.claim(batch_id, self.me, self.lease_ms, room):
+            if c.index in lb.lines:
+                continue  # ours already, its lease had lapsed while Redis was away
+            if c.leader and c.group not in lb.gates:
+                lb.gates[c.group] = asyncio.Event()
+            line = lb.lines[c.index] = Line(c)
+            line.task = asyncio.create_task(self._run_line(batch_id, lb, line))
+            self.observer.batch_inflight(1)
+
+    # Leases and results -------------------------------------------------------------------
+
+    async def _renew(self) -> None:
+        if monotonic() - self._renewed_at < self.cfg.lease_s / 3:
+            return
+        for batch_id, lb in list(self.local.items()):
+            lost = await self.store.renew(batch_id, self.me, self.lease_ms, list(lb.lines))
+            for index in lost:
+                # Taken over while this gateway could not renew (Redis away longer than a
+                # lease): the other gateway runs it now.
+                ln = lb.lines.get(index)
+                if ln is not None and ln.task is not None:
+                    log.warning("batch %s line %s: lease lost, stopping it here", batch_id,
+                                index)
+                    ln.task.cancel()
+        self._renewed_at = monotonic()
+
+    async def _write_results(self) -> None:
+        """Results first (they are kept in memory until Redis has them), then the leases of
+        lines stopped unfinished."""
+        while self.unwritten:
+            r = self.unwritten[0]
+            written = await self.store.complete(r.batch_id, self.me, r.index, r.line, r.ok,
+                                                r.usage)
+            self.unwritten.pop(0)
+            self.observer.batch_line(("completed" if r.ok else "failed") if written
+                                     else "superseded")
+        while self.unreleased:
+            batch_id, index = self.unreleased[0]
+            await self.store.release(batch_id, self.me, [index])
+            self.unreleased.pop(0)
+
+    # One line -----------------------------------------------------------------------------
+
+    async def _run_line(self, batch_id: str, lb: LocalBatch, line: Line) -> None:
+        c = line.claimed
+        gate = lb.gates.get(c.group)
+        try:
+            if gate is not None and not c.leader:
+                await gate.wait()
+            self.unwritten.append(await self._attempts(batch_id, lb, line,
+                                                       gate if c.leader else None))
+        except asyncio.CancelledError:
+            # Stopped before a result: its lease goes back (unless it is no longer ours).
+            self.unreleased.append((batch_id, c.index))
+            raise
+        finally:
+            if c.leader and gate is not None:
+                gate.set()  # whatever happened, the rest of its group must not wait on
+            if lb.lines.get(c.index) is line:
+                del lb.lines[c.index]
+            self.observer.batch_inflight(-1)
+            self.wake.set()
+
+    async def _attempts(self, batch_id: str, lb: LocalBatch, line: Line,
+                        gate: asyncio.Event | None) -> Result:
+        """Tries until the line has a response to write: waits out "not now" answers for as
+        long as it takes, tries again a few times after failures."""
+        c = line.claimed
+        backoff = 0.25
+        failures = 0
+        while True:
+            t = await self._try(lb, line, gate)
+            status = t.status
+            if status is None or status in _TRANSIENT:
+                failures += 1
+                if failures >= _TRANSIENT_TRIES:
+                    status = status or 502
+                    break
+            elif status not in _WAIT:
+                break
+            self.observer.batch_line("retried")
+            line.sent = False
+            await asyncio.sleep(max(t.retry_after or 0.0, backoff) * random.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, 5.0)
+        ok = 200 <= status < 300
+        return Result(batch_id, c.index,
+                      response_line(c.custom_id, status, t.request_id, t.body), ok,
+                      t.usage if ok else (0, 0, 0))
+
+    async def _try(self, lb: LocalBatch, line: Line, gate: asyncio.Event | None) -> Try:
+        """One request through the core, as the HTTP edge would send it."""
+        c = line.claimed
+        payload = dict(c.body)
+        # Streamed from the replica and rebuilt here: the first token tells the line's prefix
+        # group that the prefix is now cached, and usage comes with the last event.
+        payload["stream"] = True
+        opts = payload.get("stream_options")
+        payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                     "include_usage": True}
+        rid = "req_" + secrets.token_hex(12)
+        request = InferenceRequest(lb.path, lb.chat, payload, orjson.dumps(payload),
+                                   payload["model"], True, {b"x-request-id": rid.encode()},
+                                   traffic_class=self.traffic_class)
+        line.sent = True
+        reply = await self.core.handle(request)
+        if isinstance(reply.body, bytes):
+            return Try(rid, reply.status, _json_or_text(reply.body), _retry_after(reply))
+        watcher = StreamWatcher(keep=True)
+        async with contextlib.aclosing(reply.body) as body:
+            async for chunk in body:
+                watcher.feed(chunk, perf_counter())
+                if gate is not None and watcher.first_token_at is not None:
+                    gate.set()
+        if watcher.error is not None:  # the replica broke off mid-stream
+            return Try(rid, None, watcher.error)
+        out = assemble(watcher.events, lb.chat)
+        return Try(rid, reply.status, out, usage=_usage(out.get("usage")))
+
+
+@dataclass(slots=True)
+class Try:
+    request_id: str
+    status: int | None
+    """None: the stream broke off after it started."""
+    body: Any
+    retry_after: float | None = None
+    usage: tuple[int, int, int] = (0, 0, 0)
+
+
+def _json_or_text(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": body.decode("utf-8", "replace"), "type": "upstream_error",
+                          "param": None, "code": None}}
+
+
+def _retry_after(reply: Reply) -> float | None:
+    for k, v in reply.headers:
+        if k.lower() == b"retry-after":
+            with contextlib.suppress(ValueError):
+                return float(v)
+    return None
+
+
+def _usage(usage: Any) -> tuple[int, int, int]:
+    if not isinstance(usage, dict):
+        return 0, 0, 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+
+    def n(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    return n(usage.get("prompt_tokens")), n(cached), n(usage.get("completion_tokens"))
