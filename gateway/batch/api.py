@@ -77,6 +77,9 @@ async def _capped_form(request: Request, limit: int) -> FormData:
     """The multipart form, refused with 413 as soon as the body outgrows the file limit."""
     too_big = GatewayError(413, f"The file is larger than this gateway's limit of {limit} "
                            "bytes (batch.max_file_bytes).", param="file", code="file_too_large")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise bad_request("Upload the file as multipart/form-data, with a 'file' part and a "
+                          "'purpose' field.", "file", "invalid_content_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit + _FORM_SLACK:
         raise too_big

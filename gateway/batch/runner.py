@@ -116,7 +116,7 @@ class BatchRunner:
                     await self._tend(batch_id)
                 self.link.mark_up()
                 delay = 0.05
-                wait = self.cfg.poll_interval_s
+                wait = min(self.cfg.poll_interval_s, self.cfg.lease_s / 3)
             except UNAVAILABLE as exc:
                 self.link.mark_down(exc)
                 delay = min(delay * 2, 2.0)
@@ -302,7 +302,7 @@ class BatchRunner:
             self.observer.batch_line("retried")
             line.sent = False
             await asyncio.sleep(max(t.retry_after or 0.0, backoff) * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 2.0)
         ok = 200 <= status < 300
         return Result(batch_id, c.index,
                       response_line(c.custom_id, status, t.request_id, t.body), ok,
