@@ -93,6 +93,10 @@ class GatewayMetrics:
         self.batch_inflight = GaugeFamily(
             "gateway_batch_lines_in_flight", "Batch lines this gateway holds the lease of and "
             "runs (or waits to run) now.", ())
+        self.batch_unwritten = GaugeFamily(
+            "gateway_batch_results_unwritten", "Finished batch lines whose result this gateway "
+            "holds in memory until Redis takes it (above 0 only while Redis is unreachable).",
+            ())
         self.redis_up = GaugeFamily(
             "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
             "(absent without a redis section).", ())

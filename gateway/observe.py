@@ -73,6 +73,9 @@ class Observer:
     def batch_inflight(self, delta: int) -> None:
         self.m.batch_inflight.inc((), delta)
 
+    def batch_unwritten(self, n: int) -> None:
+        self.m.batch_unwritten.set((), n)
+
     def redis_up(self, up: bool) -> None:
         self.m.redis_up.set((), 1 if up else 0)
 

@@ -220,7 +220,8 @@ async def test_a_429_or_an_outage_is_waited_out_never_written_as_a_failure(
     try:
         async with gateway(config(redis_server), handlers=handlers) as gw:
             c = gw.openai()
-            lines = [chat_line(f"q{i}", f"Question {i}?") for i in range(4)]
+            # Prompts sharing nothing: no line waits for another's prefix.
+            lines = [chat_line(f"q{i}", "Question?", system=f"{i} " * 300) for i in range(4)]
             batch = await finished(c, (await submit(c, jsonl(lines))).id)
             assert refused["left"] == 0
             assert batch.status == "completed"

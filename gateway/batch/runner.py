@@ -109,6 +109,7 @@ class BatchRunner:
         """Until cancelled: write results, renew leases, tend every active batch."""
         delay = 0.05
         while not self._stopping:
+            self.wake.clear()  # before the work: a line ending during it wakes the next round
             try:
                 await self._write_results()
                 await self._renew()
@@ -124,7 +125,6 @@ class BatchRunner:
             except Exception:  # a bug must not stop batches for good: log it, go on
                 log.exception("batch runner step failed")
                 wait = self.cfg.poll_interval_s
-            self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), wait)
 
@@ -253,6 +253,7 @@ class BatchRunner:
             written = await self.store.complete(r.batch_id, self.me, r.index, r.line, r.ok,
                                                 r.usage)
             self.unwritten.pop(0)
+            self.observer.batch_unwritten(len(self.unwritten))
             self.observer.batch_line(("completed" if r.ok else "failed") if written
                                      else "superseded")
         while self.unreleased:
@@ -270,6 +271,7 @@ class BatchRunner:
                 await gate.wait()
             self.unwritten.append(await self._attempts(batch_id, lb, line,
                                                        gate if c.leader else None))
+            self.observer.batch_unwritten(len(self.unwritten))
         except asyncio.CancelledError:
             # Stopped before a result: its lease goes back (unless it is no longer ours).
             self.unreleased.append((batch_id, c.index))

@@ -32,6 +32,8 @@ class BatchService:
     async def start(self) -> None:
         """The runner starts in the background: Redis may not be there yet, and serving
         must not wait for it."""
+        self.runner.observer.batch_inflight(0)  # the series exist from the start, at zero
+        self.runner.observer.batch_unwritten(0)
         self._task = asyncio.create_task(self.runner.run(), name="batch-runner")
 
     async def stop(self) -> None:
