@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gateway.batch.redis_link import shown_url
 from gateway.config import ConfigError, GatewayConfig, RedisConfig, load_config
 from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
 
@@ -41,8 +42,6 @@ def redis_banner(config: GatewayConfig) -> str:
     if config.redis is None:
         return ("prefix-gateway: no Redis: the Batch API (/v1/files, /v1/batches) is off; "
                 f"turn it on with --redis-url redis://HOST:6379/0 or {REDIS_ENV}")
-    from gateway.batch.redis_link import shown_url
-
     return (f"prefix-gateway: Redis {shown_url(config.redis.url)} in use: the Batch API "
             f"(/v1/files, /v1/batches) is on, its lines run as traffic class "
             f"{config.batch_class!r}")
@@ -80,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.check:
         pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas)"
                           for p in config.pools)
-        print(f"{args.config}: valid; pools: {pools}")
+        print(f"{args.config}: valid; pools: {pools}; " + (
+            f"Batch API on (Redis {shown_url(config.redis.url)})" if config.redis
+            else "Batch API off (no Redis)"))
         return 0
     if args.host:
         config.server.host = args.host
