@@ -4,6 +4,7 @@ the final status)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection
 from typing import Any
@@ -11,7 +12,15 @@ from typing import Any
 import orjson
 
 from gateway.batch.files import FileStore
-from gateway.batch.lines import InputFileError, error_line, file_error, parse_input, run_order
+from gateway.batch.lines import (
+    InputFileError,
+    Parsed,
+    Planned,
+    error_line,
+    file_error,
+    parse_input,
+    run_order,
+)
 from gateway.batch.store import BatchStore, now_s
 
 log = logging.getLogger("prefix_gateway.batch")
@@ -40,7 +49,9 @@ async def validate(store: BatchStore, files: FileStore, batch: dict[str, str],
             raise InputFileError([file_error(
                 "file_not_found", f"The input file {batch['input_file_id']} was deleted "
                 "before the batch was validated.", param="input_file_id")])
-        parsed = parse_input(data, batch["endpoint"], models, max_lines)
+        # Off the event loop: a large file takes a while to read, and requests are waiting.
+        parsed, plan, lines = await asyncio.to_thread(_plan, data, batch["endpoint"], models,
+                                                      max_lines, group_chars)
     except InputFileError as exc:
         failed = await store.transition(
             batch_id, ["validating"], status="failed", failed_at=now_s(),
@@ -49,10 +60,6 @@ async def validate(store: BatchStore, files: FileStore, batch: dict[str, str],
             log.info("batch %s failed validation: %s", batch_id, exc)
             await store.retire(batch_id)
         return
-    plan = run_order(parsed.requests, group_chars)
-    lines = [(p.request.index, orjson.dumps({"c": p.request.custom_id, "b": p.request.body,
-                                             "g": p.group, "l": int(p.leader)}))
-             for p in plan]
     served = {p.request.model for p in plan}
     fields = {"status": "in_progress", "in_progress_at": str(now_s()),
               "total": str(parsed.total), "failed": str(len(parsed.errors)),
@@ -61,6 +68,17 @@ async def validate(store: BatchStore, files: FileStore, batch: dict[str, str],
                                parsed.errors, fields):
         log.info("batch %s in progress: %d lines to run in %d prefix groups, %d malformed",
                  batch_id, len(plan), len({p.group for p in plan}), len(parsed.errors))
+
+
+def _plan(data: bytes, endpoint: str, models: Collection[str], max_lines: int,
+          group_chars: int) -> tuple[Parsed, list[Planned], list[tuple[int, bytes]]]:
+    """The file read, its lines in run order, and each as stored for the runner."""
+    parsed = parse_input(data, endpoint, models, max_lines)
+    plan = run_order(parsed.requests, group_chars)
+    lines = [(p.request.index, orjson.dumps({"c": p.request.custom_id, "b": p.request.body,
+                                             "g": p.group, "l": int(p.leader)}))
+             for p in plan]
+    return parsed, plan, lines
 
 
 async def finalize(store: BatchStore, files: FileStore, batch: dict[str, str], kind: str) -> None:

@@ -19,7 +19,7 @@ import secrets
 import socket
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from time import monotonic, perf_counter
+from time import perf_counter
 from typing import Any
 
 import orjson
@@ -100,24 +100,30 @@ class BatchRunner:
         self.unreleased: list[tuple[str, str]] = []
         """Lines stopped before a result, whose leases go back to the batch."""
         self.wake = asyncio.Event()
-        self._renewed_at = 0.0
         self._stopping = False
 
     # The loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Until cancelled: write results, renew leases, tend every active batch."""
+        """Until cancelled: write results, tend every active batch; leases are renewed
+        beside, so that a long step (finalising a large batch) never lets them lapse."""
+        renewer = asyncio.create_task(self._renew_loop(), name="batch-lease-renewal")
+        try:
+            await self._loop()
+        finally:
+            renewer.cancel()
+
+    async def _loop(self) -> None:
         delay = 0.05
         while not self._stopping:
             self.wake.clear()  # before the work: a line ending during it wakes the next round
             try:
                 await self._write_results()
-                await self._renew()
                 for batch_id in await self.store.active_ids():
-                    await self._tend(batch_id)
+                    await self._tend_safely(batch_id)
                 self.link.mark_up()
                 delay = 0.05
-                wait = min(self.cfg.poll_interval_s, self.cfg.lease_s / 3)
+                wait = self.cfg.poll_interval_s
             except UNAVAILABLE as exc:
                 self.link.mark_down(exc)
                 delay = min(delay * 2, 2.0)
@@ -127,6 +133,15 @@ class BatchRunner:
                 wait = self.cfg.poll_interval_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), wait)
+
+    async def _tend_safely(self, batch_id: str) -> None:
+        """One batch's step; a bug in it is logged and does not hold up the others."""
+        try:
+            await self._tend(batch_id)
+        except UNAVAILABLE:
+            raise
+        except Exception:
+            log.exception("batch %s: step failed", batch_id)
 
     async def stop(self) -> None:
         """Stop running lines and give back their leases, so another gateway (or this one,
@@ -139,9 +154,6 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(*UNAVAILABLE):
             await self._write_results()
-
-    def inflight(self) -> int:
-        return sum(len(lb.lines) for lb in self.local.values())
 
     # Batches ------------------------------------------------------------------------------
 
@@ -165,10 +177,10 @@ class BatchRunner:
                 self.wake.set()
         elif status == "in_progress":
             done = int(batch.get("completed", 0)) + int(batch.get("failed", 0))
-            if expired:
-                await self._end(batch, "expired", ["in_progress"])
-            elif done >= int(batch["total"]):
+            if done >= int(batch["total"]):  # all done counts, even past the window
                 await self._end(batch, "completed", ["in_progress"])
+            elif expired:
+                await self._end(batch, "expired", ["in_progress"])
             else:
                 await self._claim(batch)
         elif status == "cancelling":
@@ -230,9 +242,17 @@ class BatchRunner:
 
     # Leases and results -------------------------------------------------------------------
 
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.cfg.lease_s / 3, self.cfg.poll_interval_s))
+            try:
+                await self._renew()
+            except UNAVAILABLE:
+                pass  # the main loop notices and logs; a lease renewed late may lapse
+            except Exception:
+                log.exception("renewing batch leases failed")
+
     async def _renew(self) -> None:
-        if monotonic() - self._renewed_at < self.cfg.lease_s / 3:
-            return
         for batch_id, lb in list(self.local.items()):
             lost = await self.store.renew(batch_id, self.me, self.lease_ms, list(lb.lines))
             for index in lost:
@@ -243,7 +263,6 @@ class BatchRunner:
                     log.warning("batch %s line %s: lease lost, stopping it here", batch_id,
                                 index)
                     ln.task.cancel()
-        self._renewed_at = monotonic()
 
     async def _write_results(self) -> None:
         """Results first (they are kept in memory until Redis has them), then the leases of
