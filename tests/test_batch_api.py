@@ -4,6 +4,7 @@ batches and files in a real redis-server, its replicas simulated."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -427,7 +428,8 @@ async def test_without_redis_the_batch_api_says_how_to_turn_it_on() -> None:
         assert reply.choices[0].message.content
 
 
-async def test_an_unreachable_redis_answers_503_and_leaves_serving_alone() -> None:
+async def test_an_unreachable_redis_answers_503_and_leaves_serving_alone(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_gateway.batch")
     cfg = two_pools()
     cfg["redis"] = {"url": f"redis://127.0.0.1:{processes.free_ports(1)[0]}/0",
                     "timeout_s": 0.5}
@@ -441,3 +443,8 @@ async def test_an_unreachable_redis_answers_503_and_leaves_serving_alone() -> No
         assert reply.choices[0].message.content
         samples = [s for s in await gw.metrics() if s.name == "gateway_redis_up"]
         assert [s.value for s in samples] == [0.0]
+        with pytest.raises(openai.InternalServerError):
+            await c.files.list()
+    # Said once, however often it was found so.
+    said = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
+    assert len(said) == 1 and "retrying in the background" in said[0]

@@ -19,11 +19,9 @@ import secrets
 import socket
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import Any
 
-import orjson
-
+from gateway.batch.execute import LineExecutor
 from gateway.batch.files import FileStore
 from gateway.batch.lifecycle import finalize, validate
 from gateway.batch.lines import ENDPOINTS, response_line
@@ -31,20 +29,9 @@ from gateway.batch.redis_link import UNAVAILABLE, RedisLink
 from gateway.batch.store import TERMINAL, BatchStore, Claimed, now_s
 from gateway.config import BatchConfig
 from gateway.core import RequestCore
-from gateway.exchange import InferenceRequest, Reply
 from gateway.observe import Observer
-from gateway.sse import StreamWatcher, assemble
 
 log = logging.getLogger("prefix_gateway.batch")
-
-# Statuses that mean "not now": admission control's full queue (429), no healthy replica or
-# an overloaded one (503). The line keeps its lease and is tried again, for as long as the
-# batch's completion window lasts: capacity comes back.
-_WAIT = frozenset((429, 503))
-# Replicas that failed before answering (502, 504) or broke off mid-stream: tried again a
-# few times, then written to the error file with the status.
-_TRANSIENT = frozenset((502, 504))
-_TRANSIENT_TRIES = 5
 
 
 def gateway_id() -> str:
@@ -66,7 +53,7 @@ class Line:
     claimed: Claimed
     task: asyncio.Task | None = None
     sent: bool = False
-    """A request is at a replica (cancelling lets such a line finish)."""
+    """A request is at a replica (cancelling lets such a line finish); set by the executor."""
 
 
 @dataclass(slots=True)
@@ -93,6 +80,7 @@ class BatchRunner:
         self.models = models
         self.group_chars = group_chars
         self.observer = observer
+        self.executor = LineExecutor(core, traffic_class, observer)
         self.me = gateway_id()
         self.lease_ms = int(cfg.lease_s * 1000)
         self.local: dict[str, LocalBatch] = {}
@@ -288,8 +276,10 @@ class BatchRunner:
         try:
             if gate is not None and not c.leader:
                 await gate.wait()
-            self.unwritten.append(await self._attempts(batch_id, lb, line,
-                                                       gate if c.leader else None))
+            a = await self.executor.answer(lb.path, lb.chat, c.body, gate if c.leader else None,
+                                           line)
+            self.unwritten.append(Result(batch_id, c.index, response_line(
+                c.custom_id, a.status, a.request_id, a.body), a.ok, a.usage))
             self.observer.batch_unwritten(len(self.unwritten))
         except asyncio.CancelledError:
             # Stopped before a result: its lease goes back (unless it is no longer ours).
@@ -302,96 +292,3 @@ class BatchRunner:
                 del lb.lines[c.index]
             self.observer.batch_inflight(-1)
             self.wake.set()
-
-    async def _attempts(self, batch_id: str, lb: LocalBatch, line: Line,
-                        gate: asyncio.Event | None) -> Result:
-        """Tries until the line has a response to write: waits out "not now" answers for as
-        long as it takes, tries again a few times after failures."""
-        c = line.claimed
-        backoff = 0.25
-        failures = 0
-        while True:
-            t = await self._try(lb, line, gate)
-            status = t.status
-            if status is None or status in _TRANSIENT:
-                failures += 1
-                if failures >= _TRANSIENT_TRIES:
-                    status = status or 502
-                    break
-            elif status not in _WAIT:
-                break
-            self.observer.batch_line("retried")
-            line.sent = False
-            await asyncio.sleep(max(t.retry_after or 0.0, backoff) * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, 2.0)
-        ok = 200 <= status < 300
-        return Result(batch_id, c.index,
-                      response_line(c.custom_id, status, t.request_id, t.body), ok,
-                      t.usage if ok else (0, 0, 0))
-
-    async def _try(self, lb: LocalBatch, line: Line, gate: asyncio.Event | None) -> Try:
-        """One request through the core, as the HTTP edge would send it."""
-        c = line.claimed
-        payload = dict(c.body)
-        # Streamed from the replica and rebuilt here: the first token tells the line's prefix
-        # group that the prefix is now cached, and usage comes with the last event.
-        payload["stream"] = True
-        opts = payload.get("stream_options")
-        payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
-                                     "include_usage": True}
-        rid = "req_" + secrets.token_hex(12)
-        request = InferenceRequest(lb.path, lb.chat, payload, orjson.dumps(payload),
-                                   payload["model"], True, {b"x-request-id": rid.encode()},
-                                   traffic_class=self.traffic_class)
-        line.sent = True
-        reply = await self.core.handle(request)
-        if isinstance(reply.body, bytes):
-            return Try(rid, reply.status, _json_or_text(reply.body), _retry_after(reply))
-        watcher = StreamWatcher(keep=True)
-        async with contextlib.aclosing(reply.body) as body:
-            async for chunk in body:
-                watcher.feed(chunk, perf_counter())
-                if gate is not None and watcher.first_token_at is not None:
-                    gate.set()
-        if watcher.error is not None:  # the replica broke off mid-stream
-            return Try(rid, None, watcher.error)
-        out = assemble(watcher.events, lb.chat)
-        return Try(rid, reply.status, out, usage=_usage(out.get("usage")))
-
-
-@dataclass(slots=True)
-class Try:
-    request_id: str
-    status: int | None
-    """None: the stream broke off after it started."""
-    body: Any
-    retry_after: float | None = None
-    usage: tuple[int, int, int] = (0, 0, 0)
-
-
-def _json_or_text(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return {"error": {"message": body.decode("utf-8", "replace"), "type": "upstream_error",
-                          "param": None, "code": None}}
-
-
-def _retry_after(reply: Reply) -> float | None:
-    for k, v in reply.headers:
-        if k.lower() == b"retry-after":
-            with contextlib.suppress(ValueError):
-                return float(v)
-    return None
-
-
-def _usage(usage: Any) -> tuple[int, int, int]:
-    if not isinstance(usage, dict):
-        return 0, 0, 0
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-
-    def n(v: Any) -> int:
-        return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-    return n(usage.get("prompt_tokens")), n(cached), n(usage.get("completion_tokens"))

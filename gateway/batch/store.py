@@ -1,5 +1,5 @@
 """Batches in Redis: the batch record, its lines, their leases and results, each change atomic
-(Lua scripts run whole on the Redis server, so gateways sharing it never race).
+(the Lua scripts of gateway/batch/scripts.py, so gateways sharing the Redis never race).
 
 Keys, under the configured prefix:
 
@@ -24,130 +24,10 @@ from typing import Any
 import orjson
 from redis.exceptions import WatchError
 
+from gateway.batch import scripts
 from gateway.batch.redis_link import RedisLink
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
-
-# The Redis server's own clock in ms: every gateway reads the same one, so leases never
-# depend on the gateways' clocks agreeing.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS: batch, todo, leased, owner, res, req. ARGV: gateway, lease_ms, how many.
-# Takes expired leases first (a dead gateway's lines), then lines never claimed, in run
-# order; returns index, request, index, request, ...
-_CLAIM = _NOW + """
-if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return {} end
-local expires = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '0')
-if expires > 0 and now >= expires * 1000 then return {} end
-local room = tonumber(ARGV[3])
-local out = {}
-local function take(idx)
-  if redis.call('HEXISTS', KEYS[5], idx) == 1 then
-    redis.call('ZREM', KEYS[3], idx)
-    redis.call('HDEL', KEYS[4], idx)
-    return
-  end
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), idx)
-  redis.call('HSET', KEYS[4], idx, ARGV[1])
-  table.insert(out, idx)
-  table.insert(out, redis.call('HGET', KEYS[6], idx))
-  room = room - 1
-end
-for _, idx in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, room)) do
-  take(idx)
-end
-while room > 0 do
-  local idx = redis.call('LPOP', KEYS[2])
-  if not idx then break end
-  take(idx)
-end
-return out
-"""
-
-# KEYS: leased, owner. ARGV: gateway, lease_ms, index... Returns the indices no longer ours.
-_RENEW = _NOW + """
-local lost = {}
-for i = 3, #ARGV do
-  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
-    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[i])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""
-
-# KEYS: batch, res, leased, owner. ARGV: gateway, index, line, ok, prompt, cached, completion
-# tokens. The first result of a line is kept, any later one dropped: one line per custom_id.
-_COMPLETE = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'completed' or status == 'expired' or status == 'cancelled'
-   or status == 'failed' then return 0 end
-local written = redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3])
-if written == 1 or redis.call('HGET', KEYS[4], ARGV[2]) == ARGV[1] then
-  redis.call('ZREM', KEYS[3], ARGV[2])
-  redis.call('HDEL', KEYS[4], ARGV[2])
-end
-if written == 0 then return 0 end
-if ARGV[4] == '1' then
-  redis.call('HINCRBY', KEYS[1], 'completed', 1)
-  redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[5])
-  redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[6])
-  redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[7])
-else
-  redis.call('HINCRBY', KEYS[1], 'failed', 1)
-end
-return 1
-"""
-
-# KEYS: todo, leased, owner. ARGV: gateway, index... Lines this gateway gives back unrun.
-_RELEASE = """
-for i = 2, #ARGV do
-  if redis.call('HGET', KEYS[3], ARGV[i]) == ARGV[1] then
-    redis.call('ZREM', KEYS[2], ARGV[i])
-    redis.call('HDEL', KEYS[3], ARGV[i])
-    redis.call('LPUSH', KEYS[1], ARGV[i])
-  end
-end
-return 1
-"""
-
-# KEYS: leased. Leases not yet lapsed.
-_LIVE = _NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')"
-
-# KEYS: batch. ARGV: allowed statuses (comma-separated), then field, value, ...
-_TRANSITION = """
-local status = redis.call('HGET', KEYS[1], 'status')
-for s in string.gmatch(ARGV[1], '[^,]+') do
-  if s == status then
-    for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-    return 1
-  end
-end
-return 0
-"""
-
-# KEYS: batch, res. ARGV: index, line, index, line, ... The error lines of lines that never
-# ran (the batch expired or was cancelled), each written only if the line has no result.
-_FILL = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'finalizing' and status ~= 'cancelling' then return 0 end
-local n = 0
-for i = 1, #ARGV, 2 do
-  n = n + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
-end
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'failed', n) end
-return n
-"""
-
-# KEYS: lock. ARGV: gateway.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def new_batch_id() -> str:
@@ -178,14 +58,14 @@ class BatchStore:
         self.active = link.key("active")
         self.seq = link.key("seq")
         reg = self.r.register_script
-        self._claim = reg(_CLAIM)
-        self._renew = reg(_RENEW)
-        self._complete = reg(_COMPLETE)
-        self._release = reg(_RELEASE)
-        self._live = reg(_LIVE)
-        self._transition = reg(_TRANSITION)
-        self._fill = reg(_FILL)
-        self._unlock = reg(_UNLOCK)
+        self._claim = reg(scripts.CLAIM)
+        self._renew = reg(scripts.RENEW)
+        self._complete = reg(scripts.COMPLETE)
+        self._release = reg(scripts.RELEASE)
+        self._live = reg(scripts.LIVE)
+        self._transition = reg(scripts.TRANSITION)
+        self._fill = reg(scripts.FILL)
+        self._unlock = reg(scripts.UNLOCK)
 
     def key(self, batch_id: str, part: str = "") -> str:
         return self.link.key("batch", batch_id, part) if part else self.link.key("batch",
