@@ -313,6 +313,20 @@ async def test_cancel_stops_new_lines_and_ends_cancelled_with_partial_files(
         assert exc.value.code == "batch_not_cancellable"
 
 
+async def test_a_batch_cancelled_at_once_ends_cancelled_with_every_line_accounted_for(
+        redis_server) -> None:
+    async with gateway(config(redis_server)) as gw:
+        c = gw.openai()
+        await set_failing(gw, ["bt-0", "bt-1"], True)  # nothing can finish meanwhile
+        batch = await submit(c, jsonl([chat_line(f"q{i}", "x") for i in range(4)]))
+        await c.batches.cancel(batch.id)  # while validating, or just after
+        batch = await finished(c, batch.id)
+        assert batch.status == "cancelled" and batch.request_counts.completed == 0
+        errors = await lines_of(c, batch.error_file_id)
+        assert batch.request_counts.failed == batch.request_counts.total == len(errors)
+        assert {x["error"]["code"] for x in errors} <= {"batch_cancelled"}
+
+
 async def test_lines_not_run_within_the_completion_window_expire(redis_server) -> None:
     async with gateway(config(redis_server)) as gw:
         c = gw.openai()
