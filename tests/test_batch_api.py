@@ -343,6 +343,26 @@ async def test_lines_not_run_within_the_completion_window_expire(redis_server) -
         assert {x["error"]["code"] for x in errors} == {"batch_expired"}
 
 
+async def test_a_gateway_stopped_gracefully_gives_its_lines_back_at_once(redis_server) -> None:
+    # Leases of an hour: the second gateway can only finish the batch if the first one gave
+    # its lines back when it stopped.
+    cfg = config(redis_server, lease_s=3600, concurrency=2)
+    async with gateway(cfg) as first:
+        c = first.openai()
+        await set_failing(first, ["bt-0", "bt-1"], True)
+        batch = await submit(c, jsonl([chat_line(f"q{i}", "x") for i in range(4)]))
+        end = time.monotonic() + 30
+        while not [s for s in await first.metrics()
+                   if s.name == "gateway_batch_lines_in_flight" and s.value == 2]:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+    async with gateway(cfg) as second:
+        c = second.openai()
+        batch = await finished(c, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        assert len(await lines_of(c, batch.output_file_id)) == 4
+
+
 # Bad input --------------------------------------------------------------------------------
 
 

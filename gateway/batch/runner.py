@@ -131,15 +131,20 @@ class BatchRunner:
         except Exception:
             log.exception("batch %s: step failed", batch_id)
 
+    def halt(self) -> None:
+        """The loop ends at its next turn."""
+        self._stopping = True
+        self.wake.set()
+
     async def stop(self) -> None:
         """Stop running lines and give back their leases, so another gateway (or this one,
         restarted) takes them at once; write what finished."""
-        self._stopping = True
-        self.wake.set()
+        self.halt()
         tasks = [ln.task for lb in self.local.values() for ln in lb.lines.values() if ln.task]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         with contextlib.suppress(*UNAVAILABLE):
             await self._write_results()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from gateway.batch.files import FileStore
 from gateway.batch.redis_link import RedisLink
@@ -37,9 +36,12 @@ class BatchService:
         self._task = asyncio.create_task(self.runner.run(), name="batch-runner")
 
     async def stop(self) -> None:
+        # Told to stop before it is cancelled: a cancellation can be lost in a race inside
+        # asyncio.wait_for (Python 3.11), and the loop must end anyway. Bounded waits: a
+        # shutdown never hangs on the runner.
+        self.runner.halt()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task}, timeout=5)
         await self.runner.stop()
         await self.link.aclose()
