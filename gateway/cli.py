@@ -11,7 +11,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway.batch.redis_link import shown_url
 from gateway.config import ConfigError, GatewayConfig, RedisConfig, load_config
 from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
 
@@ -36,6 +35,12 @@ def with_redis(config: GatewayConfig, url: str | None) -> GatewayConfig:
         raise ConfigError(f"invalid Redis URL {url!r}: must start with redis://, rediss:// "
                           "or unix://") from exc
     return config
+
+
+def shown_url(url: str) -> str:
+    from gateway.batch.redis_link import shown_url as without_password  # redis-py: lazily
+
+    return without_password(url)
 
 
 def redis_banner(config: GatewayConfig) -> str:
