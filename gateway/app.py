@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
+from gateway.batch import api as batch_api
+from gateway.batch.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.core import RequestCore
 from gateway.edge import InferenceEndpoint
@@ -28,12 +30,15 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
                                    "code": code}}, status_code=status)
 
 
-def build_admin(state: GatewayState) -> FastAPI:
-    """Health, readiness, models, metrics and stats: where FastAPI's conveniences pay."""
+def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastAPI:
+    """Health, readiness, models, metrics and stats, and the Batch API: where FastAPI's
+    conveniences pay."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        if batch is not None:
+            await batch.start()
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk
         # it on the hot path (about 6% of the gateway's CPU under load, docs/benchmarks.md).
@@ -41,6 +46,8 @@ def build_admin(state: GatewayState) -> FastAPI:
         try:
             yield
         finally:
+            if batch is not None:
+                await batch.stop()
             await state.stop()
 
     app = FastAPI(title="prefix-gateway", version=__version__, lifespan=lifespan)
@@ -97,6 +104,7 @@ def build_admin(state: GatewayState) -> FastAPI:
     async def page() -> HTMLResponse:
         return HTMLResponse((_STATIC / "stats.html").read_text())
 
+    batch_api.install(app, batch, state.config.batch.max_file_bytes)
     return app
 
 
@@ -109,8 +117,10 @@ class GatewayApp:
 
     def __init__(self, config: GatewayConfig, state: GatewayState | None = None) -> None:
         self.state = state or GatewayState(config)
-        self.admin = build_admin(self.state)
         self.core = RequestCore(self.state)
+        # The Batch API runs only with Redis; without it its routes say how to turn it on.
+        self.batch = BatchService(self.core) if config.redis is not None else None
+        self.admin = build_admin(self.state, self.batch)
         limit = config.server.max_body_bytes
         self.fast = {
             "/v1/chat/completions": InferenceEndpoint(self.core, "/v1/chat/completions", True,

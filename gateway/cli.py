@@ -5,15 +5,51 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import ConfigError, GatewayConfig, RedisConfig, load_config
 from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
 
 log = logging.getLogger("prefix_gateway")
+
+REDIS_ENV = "PREFIX_GATEWAY_REDIS_URL"
+
+
+def redis_url(args: argparse.Namespace) -> str | None:
+    """--redis-url, else the environment variable, else None (the file's, for serve)."""
+    return args.redis_url or os.environ.get(REDIS_ENV) or None
+
+
+def with_redis(config: GatewayConfig, url: str | None) -> GatewayConfig:
+    """`config` with the Batch API's Redis at `url` (other redis keys kept)."""
+    if url is None:
+        return config
+    kept = config.redis.model_dump() if config.redis else {}
+    try:
+        config.redis = RedisConfig.model_validate({**kept, "url": url})
+    except ValueError as exc:
+        raise ConfigError(f"invalid Redis URL {url!r}: must start with redis://, rediss:// "
+                          "or unix://") from exc
+    return config
+
+
+def shown_url(url: str) -> str:
+    from gateway.batch.redis_link import shown_url as without_password  # redis-py: lazily
+
+    return without_password(url)
+
+
+def redis_banner(config: GatewayConfig) -> str:
+    if config.redis is None:
+        return ("prefix-gateway: no Redis: the Batch API (/v1/files, /v1/batches) is off; "
+                f"turn it on with --redis-url redis://HOST:6379/0 or {REDIS_ENV}")
+    return (f"prefix-gateway: Redis {shown_url(config.redis.url)} in use: the Batch API "
+            f"(/v1/files, /v1/batches) is on, its lines run as traffic class "
+            f"{config.batch_class!r}")
 
 
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
@@ -41,19 +77,22 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = with_redis(load_config(args.config), redis_url(args))
     except ConfigError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 2
     if args.check:
         pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas)"
                           for p in config.pools)
-        print(f"{args.config}: valid; pools: {pools}")
+        print(f"{args.config}: valid; pools: {pools}; " + (
+            f"Batch API on (Redis {shown_url(config.redis.url)})" if config.redis
+            else "Batch API off (no Redis)"))
         return 0
     if args.host:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    print(redis_banner(config), flush=True)
     run_gateway(config, access_log=args.access_log, log_level=args.log_level)
     return 0
 
@@ -67,6 +106,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from gateway.defaults import default_config
 
     n_rt, n_bt = args.realtime_replicas, args.batch_replicas
+    url = redis_url(args)
+    batch = {k: v for k, v in (("concurrency", args.batch_concurrency),
+                               ("lease_s", args.batch_lease_s)) if v is not None}
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default disposition the
     # process would die there, before the `finally` below stops the replicas it started.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -85,7 +127,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        "--time-scale", str(args.time_scale), "--name", f"sim-{kind}-{i}"]
                 procs.append(processes.spawn(cmd, str(log_dir / f"sim-{i}.log")))
             processes.wait_healthy(urls, procs, deadline_s=60)
-            config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model)
+            config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,
+                                    redis_url=url, batch=batch)
             print(f"prefix-gateway: {n_rt + n_bt} simulated replicas up ({args.profile}, time "
                   f"scale {args.time_scale}); logs in {log_dir}", flush=True)
         else:
@@ -101,11 +144,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             urls = [h.url for h in engines]
             # Both pools are vLLM here: trtllm-serve cannot run without an NVIDIA GPU.
             config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,
-                                    batch_engine="vllm")
+                                    batch_engine="vllm", redis_url=url, batch=batch)
             print(f"prefix-gateway: {len(urls)} vLLM CPU replicas up; logs in {log_dir}",
                   flush=True)
         print(f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model {args.model!r}; "
               "pools realtime and batch; header x-traffic-class: batch for batch)", flush=True)
+        print(redis_banner(config), flush=True)
         run_gateway(config, access_log=args.access_log, log_level=args.log_level)
     except (RuntimeError, OSError, ValueError, ConfigError) as exc:
         print(f"prefix-gateway up: {exc}", file=sys.stderr)
@@ -159,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="override server.host")
     p.add_argument("--port", type=int, help="override server.port")
     p.add_argument("--check", action="store_true", help="validate the file and exit")
+    p.add_argument("--redis-url", help=f"Redis for the Batch API, overriding redis.url (also "
+                   f"{REDIS_ENV})")
     common(p)
     p.set_defaults(func=cmd_serve)
 
@@ -180,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu: KV cache per replica")
     p.add_argument("--engine-base-port", type=int, default=8100, help="vllm-cpu: first port")
     p.add_argument("--log-dir", help="where replica logs go (default: a temporary directory)")
+    p.add_argument("--redis-url", help=f"Redis for the Batch API, e.g. redis://127.0.0.1:6379/0 "
+                   f"(also {REDIS_ENV}); without it the Batch API is off")
+    p.add_argument("--batch-concurrency", type=int, default=None,
+                   help="lines of one batch the gateway runs at once (batch.concurrency)")
+    p.add_argument("--batch-lease-s", type=float, default=None,
+                   help="lease of a running batch line, renewed while it runs (batch.lease_s)")
     common(p)
     p.set_defaults(func=cmd_up)
 

@@ -256,12 +256,48 @@ class ServerConfig(_Strict):
     )
 
 
+class RedisConfig(_Strict):
+    """Where the Batch API keeps its files, batches, line progress and results."""
+
+    url: str = Field(description="redis://[:password@]host:port/db, rediss://... or "
+                     "unix:///path/to/socket")
+    key_prefix: str = Field("prefix-gateway:", min_length=1, description="prefix of every "
+                            "key the gateway writes, so one Redis can hold several deployments")
+    timeout_s: float = Field(5.0, gt=0, description="connect and command timeout")
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+
+class BatchConfig(_Strict):
+    """The OpenAI Batch API's runner and limits (active only with a `redis` section)."""
+
+    traffic_class: str | None = Field(
+        None, description="the traffic class batch lines run as (None: the class named "
+        "`batch` if there is one, else classification.default_class)")
+    concurrency: int = Field(16, ge=1, le=4096, description="lines of one batch a gateway "
+                             "runs at once")
+    lease_s: float = Field(10.0, ge=1, le=3600, description="a line's lease: renewed while it "
+                           "runs; another gateway takes the line over once it lapses")
+    max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, le=512 * 1024 * 1024,
+                                description="largest file upload")
+    max_lines: int = Field(50_000, ge=1, description="most requests in one batch input file")
+    poll_interval_s: float = Field(1.0, gt=0, le=60, description="how often a gateway looks "
+                                   "for batches to work on and renews its leases")
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     pools: list[PoolConfig] = Field(min_length=1)
     traffic_classes: list[TrafficClassConfig] = Field(min_length=1)
     classification: ClassificationConfig
+    redis: RedisConfig | None = None
+    batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="after")
     def _references(self) -> GatewayConfig:
@@ -291,6 +327,9 @@ class GatewayConfig(_Strict):
                     shown = k if where == "service_tier" else k[:4] + "..."
                     raise ValueError(f"classification.{where}[{shown!r}] names unknown "
                                      f"traffic class {v!r}; classes are {sorted(known)}")
+        if self.batch.traffic_class is not None and self.batch.traffic_class not in known:
+            raise ValueError(f"batch.traffic_class {self.batch.traffic_class!r} is not a "
+                             f"traffic class; classes are {sorted(known)}")
         return self
 
     def _check_borrowing(self) -> None:
@@ -332,6 +371,13 @@ class GatewayConfig(_Strict):
             return traffic_class.admission
         pool = next(p for p in self.pools if p.name == traffic_class.pool)
         return AdmissionConfig() if pool.max_inflight_per_replica is not None else None
+    @property
+    def batch_class(self) -> str:
+        """The traffic class batch lines run as."""
+        if self.batch.traffic_class is not None:
+            return self.batch.traffic_class
+        names = [c.name for c in self.traffic_classes]
+        return "batch" if "batch" in names else self.classification.default_class
 
     @model_validator(mode="before")
     @classmethod

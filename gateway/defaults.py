@@ -13,14 +13,22 @@ BATCH_REPLICAS = 2
 
 def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int = 8080,
                    model: str = DEFAULT_MODEL, realtime_engine: str = "vllm",
-                   batch_engine: str = "trtllm") -> GatewayConfig:
+                   batch_engine: str = "trtllm", redis_url: str | None = None,
+                   batch: dict[str, Any] | None = None) -> GatewayConfig:
     """Two pools: `realtime` (vLLM-like replicas) and `batch` (trtllm-serve-like replicas).
 
     Requests choose a class with the `x-traffic-class` header or OpenAI's `service_tier`
     (`flex` means batch); everything else is realtime. Under admission control: each replica
     takes 64 requests at once, the classes queue beyond that (realtime first), and realtime
     borrows the batch pool while that pool is less than half busy, never its reserved quarter.
+    With `redis_url`, the Batch API runs its lines on the batch class (`batch`: keys of the
+    configuration's batch section).
     """
+    extra: dict[str, Any] = {}
+    if redis_url:
+        extra["redis"] = {"url": redis_url}
+    if batch:
+        extra["batch"] = batch
     return parse_config({
         "server": {"host": "127.0.0.1", "port": port},
         "pools": [
@@ -43,6 +51,7 @@ def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int
                            "service_tier": {"flex": "batch", "default": "realtime",
                                             "priority": "realtime", "auto": "realtime"},
                            "default_class": "realtime"},
+        **extra,
     }, "<embedded default>")
 
 

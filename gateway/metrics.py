@@ -109,6 +109,21 @@ class GatewayMetrics:
         self.borrowed = CounterFamily(
             "gateway_borrowed", "Requests admitted on another class's pool (borrowed).",
             ("traffic_class", "pool"))
+        self.batch_lines = CounterFamily(
+            "gateway_batch_lines", "Batch lines this gateway ran, by result: completed (a 2xx "
+            "response written), failed (another status written to the error file), retried "
+            "(a try answered 429, 502, 503 or 504, or broken off, to be tried again) and "
+            "superseded (finished after another gateway wrote the line's result).", ("result",))
+        self.batch_inflight = GaugeFamily(
+            "gateway_batch_lines_in_flight", "Batch lines this gateway holds the lease of and "
+            "runs (or waits to run) now.", ())
+        self.batch_unwritten = GaugeFamily(
+            "gateway_batch_results_unwritten", "Finished batch lines whose result this gateway "
+            "holds in memory until Redis takes it (above 0 only while Redis is unreachable).",
+            ())
+        self.redis_up = GaugeFamily(
+            "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
+            "(absent without a redis section).", ())
         self.registry.register(FamilyCollector(self.families()))
 
     def families(self) -> list[Family]:

@@ -65,6 +65,20 @@ class Observer:
             if f.completion_tokens > 1:
                 m.tpot.observe(series, f.decode_s / (f.completion_tokens - 1))
 
+    # The Batch API ------------------------------------------------------------------------
+
+    def batch_line(self, result: str) -> None:
+        self.m.batch_lines.inc((result,))
+
+    def batch_inflight(self, delta: int) -> None:
+        self.m.batch_inflight.inc((), delta)
+
+    def batch_unwritten(self, n: int) -> None:
+        self.m.batch_unwritten.set((), n)
+
+    def redis_up(self, up: bool) -> None:
+        self.m.redis_up.set((), 1 if up else 0)
+
     # What health checks and scrapes find (backends.health.HealthListener) -------------------
 
     def pools_started(self, pools: list[Pool]) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from gateway import processes
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,6 +152,16 @@ def streaming_meanwhile(client, **extra_body) -> Iterator[None]:
     finally:
         done.set()
         background.join(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """One real redis-server for the session; each test takes its own key prefix
+    (`redis_server.config()`)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

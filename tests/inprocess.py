@@ -111,11 +111,15 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
     state = GatewayState(cfg, upstream=upstream)
     app = GatewayApp(cfg, state)
     await state.start()
+    if app.batch is not None:  # what the app's lifespan starts (ASGITransport runs none)
+        await app.batch.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=GATEWAY,
                                      timeout=30) as http:
             yield Harness(app, http, upstream, harness_sims, urls)
     finally:
+        if app.batch is not None:
+            await app.batch.stop()
         await state.stop()
         for sim in harness_sims.values():
             sim.close()

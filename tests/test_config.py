@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.config import ConfigError, load_config, parse_config
 from tests.conftest import ROOT
@@ -156,3 +158,44 @@ def test_admission_mistakes_are_explained(config: dict, error: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(config)
     assert error in str(exc.value)
+def test_the_batch_class_and_the_redis_section_are_checked(tmp_path: Path) -> None:
+    from gateway.defaults import default_config, one_pool_config
+
+    assert default_config(["http://a:1"], ["http://b:1"]).batch_class == "batch"
+    one = one_pool_config(["http://a:1"], 8080)
+    assert parse_config(one).batch_class == "default"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**one, "batch": {"traffic_class": "bulk"},
+                                    "redis": {"url": "http://10.0.0.5:6379"}}))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert "redis.url: Value error, must start with redis://" in str(exc.value)
+    path.write_text(yaml.safe_dump({**one, "batch": {"traffic_class": "bulk"}}))
+    with pytest.raises(ConfigError, match=r"batch\.traffic_class 'bulk' is not a traffic class"):
+        load_config(path)
+
+
+def test_the_redis_url_comes_from_the_flag_then_the_environment_then_the_file(
+        tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    cfg = yaml.safe_load((ROOT / "deploy" / "examples" / "gateway.yaml").read_text())
+    path.write_text(yaml.safe_dump({**cfg, "redis": {"url": "redis://file:6379/0",
+                                                     "key_prefix": "mine:"}}))
+
+    def check(*flags: str, env: str | None = None) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "PREFIX_GATEWAY_REDIS_URL"}
+        if env:
+            environ["PREFIX_GATEWAY_REDIS_URL"] = env
+        return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                               str(path), "--check", *flags], capture_output=True, text=True,
+                              check=True, env=environ).stdout
+
+    assert "Batch API on (Redis redis://file:6379/0)" in check()
+    assert "(Redis redis://env:6379/0)" in check(env="redis://env:6379/0")
+    assert "(Redis redis://flag:6379/0)" in check("--redis-url", "redis://flag:6379/0",
+                                                   env="redis://env:6379/0")
+    assert "(Redis redis://:***@env:6379/0)" in check(env="redis://:secret@env:6379/0")
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                        str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check",
+                        "--redis-url", "localhost:6379"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid Redis URL 'localhost:6379'" in r.stderr

@@ -204,4 +204,4 @@ def test_every_metric_is_in_the_operating_reference_as_exported_with_its_labels(
     for name, (kind, labels) in exported.items():
         cells = [c.strip() for c in rows[name].split("|")]
         assert cells[2] == kind, name
-        assert {x.strip() for x in cells[3].split(",")} == labels, name
+        assert {x.strip() for x in cells[3].split(",")} - {"(none)"} == labels, name
