@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,14 +83,18 @@ class Fleet:
 
     def start_sims(self, n: int, kv_capacity_tokens: int, profile: str,
                    time_scale: float = 1.0, model: str = MODEL,
-                   deadline_s: float = 60.0) -> list[str]:
-        """`n` simulated vLLM replicas in one process; their base URLs once all are healthy."""
+                   deadline_s: float = 60.0, name: str = "sim") -> list[str]:
+        """`n` simulated vLLM replicas in one process; their base URLs once all are healthy.
+
+        `name` prefixes the replicas' names and names the log (`NAMEs.log`), so a benchmark
+        can run several such processes (one per pool).
+        """
         base = consecutive_free_ports(n)
         proc = self.spawn([sys.executable, "-m", "backends.sim", "--port", str(base),
                            "--count", str(n), "--kind", "vllm", "--model", model,
                            "--profile", profile, "--time-scale", str(time_scale),
-                           "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", "sim"],
-                          "sims")
+                           "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", name],
+                          f"{name}s")
         urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
         processes.wait_healthy(urls, [proc], deadline_s=deadline_s)
         return urls
@@ -121,6 +126,39 @@ class Fleet:
         self.procs.append(proc)
         return url, proc
 
+    def start_gateway_config(self, config: dict[str, Any], name: str = "gateway", *,
+                             deadline_s: float = 60.0,
+                             env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
+        """A gateway process on a whole configuration (a dict, as the YAML file holds it),
+        once it answers /ready: (its URL, its process)."""
+        url, proc, _ = processes.start_gateway(
+            config, self.log_dir, name, deadline_s=deadline_s,
+            env={**CHILD_ENV, **(env or {})}, python_flags=("-P",))
+        self.procs.append(proc)
+        return url, proc
+
+    def start_redis(self, name: str = "redis", deadline_s: float = 20.0) -> str:
+        """A throwaway `redis-server` on a free loopback port, its files in `log_dir/NAME`;
+        its URL once it answers PING."""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (Debian: apt-get install "
+                               "redis-server)")
+        port = processes.free_ports(1)[0]
+        workdir = self.log_dir / name
+        workdir.mkdir(exist_ok=True)
+        proc = self.spawn([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                           str(workdir), "--save", "", "--appendonly", "no"], name)
+        end = time.monotonic() + deadline_s
+        while not _redis_pong(port):
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {proc.returncode}; see "
+                                   f"{self.log_dir / name}.log")
+            if time.monotonic() > end:
+                raise RuntimeError(f"redis-server did not answer PING within {deadline_s}s")
+            time.sleep(0.05)
+        return f"redis://127.0.0.1:{port}/0"
+
     def stop_process(self, proc: subprocess.Popen) -> None:
         """Stop one process of the fleet (e.g. a gateway between two policies)."""
         processes.stop_all([proc])
@@ -129,6 +167,17 @@ class Fleet:
     def stop(self) -> None:
         processes.stop_all(self.procs)
         self.procs.clear()
+
+
+def _redis_pong(port: int) -> bool:
+    """Whether a Redis server on loopback `port` answers PING (inline command, no client
+    library needed)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -38,6 +38,26 @@ def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def labelled_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every series of the sample `name`: its labels and its value (label values with
+    escaped quotes are not expected: the gateway's and engines' labels are names)."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        labels: dict[str, str] = {}
+        rest = line[len(name):]
+        if rest.startswith("{"):
+            inner, _, rest = rest[1:].partition("}")
+            for part in inner.split('",'):
+                key, sep, value = part.partition("=")
+                if sep:
+                    labels[key.strip()] = value.strip().strip('"')
+        with contextlib.suppress(ValueError, IndexError):
+            out.append((labels, float(rest.split()[0])))
+    return out
+
+
 async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str],
                  timeout_s: float = 10.0) -> dict[str, float]:
     """The named sums of one base URL's /metrics; raises on a failed read."""
