@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loadtests.caches import reset_prefix_caches
-from loadtests.metrics import HITS, QUERIES, WAITING, parse_sums
+from loadtests.metrics import HITS, QUERIES, WAITING, labelled_values, parse_sums
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
 from loadtests.stats import max_over_mean, median, nearest_rank, percentile
@@ -128,3 +128,20 @@ def test_sse_yields_each_events_data_until_done() -> None:
     lines = [b": keep-alive\n", b"data: {\"a\": 1}\n", b"\n", b"event: x\n", b"data:{}\n",
              b"data: [DONE]\n", b"data: after\n"]
     assert list(data_events_sync(lines)) == [b'{"a": 1}', b"{}"]
+
+
+def test_labelled_values_reads_each_series_with_its_labels() -> None:
+    text = (
+        "# TYPE gateway_requests_total counter\n"
+        'gateway_requests_total{pool="rt",replica="r-0",traffic_class="batch",status="200"} 3.0\n'
+        'gateway_requests_total{pool="rt",replica="r-1",traffic_class="realtime",status="429"} 1\n'
+        "gateway_requests_total_created 1.7e9\n"
+        "gateway_requests 5\n"
+        "other_total 9\n"
+    )
+    got = labelled_values(text, "gateway_requests_total")
+    assert got == [
+        ({"pool": "rt", "replica": "r-0", "traffic_class": "batch", "status": "200"}, 3.0),
+        ({"pool": "rt", "replica": "r-1", "traffic_class": "realtime", "status": "429"}, 1.0),
+    ]
+    assert labelled_values("plain_total 2\n", "plain_total") == [({}, 2.0)]
