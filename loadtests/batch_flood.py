@@ -50,8 +50,9 @@ ROW_LABELS = {
 GATEWAYS = ((ISOLATED, (ALONE, ISOLATED)), (BORROW, (BORROW,)), (ONE_POOL, (ONE_POOL,)))
 TARGET_P99_RATIO = 1.2
 BATCH_CLASS_HEADER = "x-traffic-class"
-# The extra field of the batch object carrying its engine-reported prefix-cache hit ratio.
-BATCH_HIT_FIELD = "prefix_cache_hit_ratio"
+# The gateway's extra field of a batch object: the engines' prefix-cache figures over its
+# lines, {"prompt_tokens", "cached_tokens", "hit_ratio"}.
+BATCH_CACHE_FIELD = "prefix_cache"
 
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -182,6 +183,7 @@ def scenario_config(scenario: str, realtime_urls: Sequence[str], batch_urls: Seq
     }
     if redis_url:
         cfg["redis"] = {"url": redis_url}
+        cfg["batch"] = {"concurrency": adm.batch_concurrency}
     if scenario == ONE_POOL:
         cfg["pools"] = [{"name": "shared", "engine": "vllm", "models": [MODEL], "health": health,
                          "replicas": [*replicas("realtime", realtime_urls),
@@ -404,8 +406,8 @@ async def run_batch_api(url: str, data: bytes, poll_s: float, timeout_s: float,
             b = await client.batches.retrieve(b.id)
         out.duration_s = time.perf_counter() - t0
         out.status = b.status
-        extra = b.model_extra or {}
-        out.hit_ratio = extra.get(BATCH_HIT_FIELD, getattr(b, BATCH_HIT_FIELD, None))
+        cache = (b.model_extra or {}).get(BATCH_CACHE_FIELD) or {}
+        out.hit_ratio = cache.get("hit_ratio")
         outputs = []
         if b.output_file_id:
             text = (await client.files.content(b.output_file_id)).content
@@ -418,8 +420,6 @@ async def run_batch_api(url: str, data: bytes, poll_s: float, timeout_s: float,
     out.failed += sum(1 for o in outputs
                       if (o.get("response") or {}).get("status_code") != 200 or o.get("error"))
     out.usage_hit_ratio = _hit_ratio_of_outputs(outputs)
-    if out.hit_ratio is None:
-        out.hit_ratio = out.usage_hit_ratio
     return out
 
 
