@@ -45,9 +45,11 @@ ROW_LABELS = {
     BORROW: "(b) borrowing on + batch",
     ONE_POOL: "(c) one pool, no admission + batch",
 }
-# Each gateway runs these rows, in this order (row (0) is measured on the isolated gateway
-# before its batch is submitted: the same pools, no batch traffic).
-GATEWAYS = ((ISOLATED, (ALONE, ISOLATED)), (BORROW, (BORROW,)), (ONE_POOL, (ONE_POOL,)))
+# Each gateway runs these rows, in this order. Row (0) is measured on the isolated and on the
+# borrowing gateway before their batch (the same realtime pool, no batch traffic yet), and
+# its windows are pooled: its samples then come from two moments of the run, as the batch
+# rows' do, so a machine busier at one moment than another biases the ratio less.
+GATEWAYS = ((ISOLATED, (ALONE, ISOLATED)), (BORROW, (ALONE, BORROW)), (ONE_POOL, (ONE_POOL,)))
 TARGET_P99_RATIO = 1.2
 BATCH_CLASS_HEADER = "x-traffic-class"
 # The gateway's extra field of a batch object: the engines' prefix-cache figures over its
@@ -73,7 +75,7 @@ def log(msg: str) -> None:
 class Workload:
     """What the clients send. Token counts are the simulated engine's (UTF-8 bytes / 4)."""
 
-    realtime_rate: float = 6.0          # realtime requests per second, Poisson arrivals
+    realtime_rate: float = 20.0         # realtime requests per second, Poisson arrivals
     realtime_prompts: int = 8           # shared realtime system prompts
     realtime_system_tokens: int = 1500
     realtime_user_tokens: int = 60
@@ -239,9 +241,14 @@ class BatchOutcome:
     error: str = ""
 
 
-def realtime_summary(sent: Sequence[Sent], start: float, end: float) -> dict[str, Any]:
-    """TTFT figures of the realtime requests sent in [start, end)."""
-    window = [s for s in sent if start <= s.sent_at < end]
+def in_window(sent: Sequence[Sent], start: float, end: float) -> list[Sent]:
+    """The realtime requests sent in [start, end)."""
+    return [s for s in sent if start <= s.sent_at < end]
+
+
+def realtime_summary(window: Sequence[Sent], window_s: float) -> dict[str, Any]:
+    """TTFT figures of the realtime requests of a window (or of several pooled) lasting
+    `window_s` seconds in all."""
     ok = [s.ttft_s for s in window if s.ttft_s is not None and s.status == 200]
     return {
         "realtime_sent": len(window),
@@ -251,7 +258,7 @@ def realtime_summary(sent: Sequence[Sent], start: float, end: float) -> dict[str
         "ttft_p50_s": percentile(ok, 0.5),
         "ttft_p99_s": percentile(ok, 0.99),
         "ttft_mean_s": sum(ok) / len(ok) if ok else None,
-        "window_s": end - start,
+        "window_s": window_s,
     }
 
 
@@ -465,7 +472,7 @@ class Options:
     wl: Workload = field(default_factory=Workload)
     adm: Admission = field(default_factory=Admission)
     warmup_s: float = 10.0
-    alone_s: float = 60.0
+    alone_s: float = 30.0
     batch_via: str = "api"              # "api" (the Batch API) or "requests"
     poll_s: float = 0.25
     batch_timeout_s: float = 900.0
@@ -545,9 +552,18 @@ class RealtimeProcess:
         return [Sent(at, ttft, status, error) for at, ttft, status, error in rows]
 
 
+@dataclass
+class GatewayRun:
+    """What one gateway's run measured: each row's realtime requests and window length, and
+    the batch's outcome."""
+
+    windows: dict[str, tuple[list[Sent], float]] = field(default_factory=dict)
+    batch: BatchOutcome | None = None
+
+
 async def run_gateway(url: str, rows: Sequence[str], opts: Options,
                       realtime_prompts: Sequence[str],
-                      lines: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+                      lines: Sequence[dict[str, Any]]) -> GatewayRun:
     """Realtime load through one gateway: a warm-up, row (0)'s window if asked, then the
     batch, with the realtime requests sent while it ran as the batch row's window."""
     load = RealtimeProcess(url, opts.wl, realtime_prompts)
@@ -576,21 +592,24 @@ async def run_gateway(url: str, rows: Sequence[str], opts: Options,
             windows[batch_row] = (t0, time.perf_counter())
     finally:
         sent = load.finish()
-    results = {row: realtime_summary(sent, *w) for row, w in windows.items()}
-    if batch_row is not None and outcome is not None:
-        results[batch_row].update(
-            batch_duration_s=outcome.duration_s, batch_status=outcome.status,
-            batch_lines_sent=len(lines), batch_output_lines=outcome.lines,
-            batch_distinct_ids=outcome.distinct_ids,
-            batch_ok=outcome.lines - outcome.failed if outcome.lines else 0,
-            batch_failed=outcome.failed, batch_hit_ratio=outcome.hit_ratio,
-            batch_usage_hit_ratio=outcome.usage_hit_ratio, batch_error=outcome.error)
-    return results
+    return GatewayRun({row: (in_window(sent, a, b), b - a) for row, (a, b) in windows.items()},
+                      outcome)
+
+
+def batch_figures(outcome: BatchOutcome, lines_sent: int) -> dict[str, Any]:
+    """A batch row's batch columns."""
+    return {"batch_duration_s": outcome.duration_s, "batch_status": outcome.status,
+            "batch_lines_sent": lines_sent, "batch_output_lines": outcome.lines,
+            "batch_distinct_ids": outcome.distinct_ids,
+            "batch_ok": outcome.lines - outcome.failed if outcome.lines else 0,
+            "batch_failed": outcome.failed, "batch_hit_ratio": outcome.hit_ratio,
+            "batch_usage_hit_ratio": outcome.usage_hit_ratio, "batch_error": outcome.error}
 
 
 def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: list[str],
             redis_url: str | None, only: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Every gateway in turn on the same replicas, each starting with empty prefix caches."""
+    """Every gateway in turn on the same replicas, each starting with empty prefix caches;
+    each row's figures (row (0) pooled over the gateways that measured it)."""
     wl = opts.wl
     rt_prompts = system_prompts("realtime", wl.realtime_prompts, wl.realtime_system_tokens,
                                 wl.seed)
@@ -598,6 +617,8 @@ def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: l
                                            wl.seed))
     urls = [*realtime_urls, *batch_urls]
     results: dict[str, dict[str, Any]] = {}
+    alone: list[Sent] = []
+    alone_s = 0.0
     for scenario, rows in GATEWAYS:
         rows = tuple(r for r in rows if r in only)
         if not rows:
@@ -608,18 +629,29 @@ def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: l
                               redis_url if opts.batch_via == "api" else None, opts.adm)
         url, proc = fleet.start_gateway_config(cfg, name=f"gateway-{scenario}")
         try:
-            got = run_async(run_gateway(url, rows, opts, rt_prompts, lines))
+            run = run_async(run_gateway(url, rows, opts, rt_prompts, lines))
             counts = requests_by_replica_and_class(url)
         finally:
             fleet.stop_process(proc)
-        for row, res in got.items():
-            if row != ALONE:
-                res["batch_on_realtime_replicas"] = share_on_realtime_replicas(counts)
+        for row, (sent, window_s) in run.windows.items():
+            if row == ALONE:
+                alone += sent
+                alone_s += window_s
+                continue
+            res = realtime_summary(sent, window_s)
+            if run.batch is not None:
+                res.update(batch_figures(run.batch, len(lines)))
+            res["batch_on_realtime_replicas"] = share_on_realtime_replicas(counts)
             log(f"{ROW_LABELS[row]}: TTFT p50 {_ms(res['ttft_p50_s'])} ms, p99 "
-                f"{_ms(res['ttft_p99_s'])} ms over {res['realtime_sent']} requests"
-                + (f"; batch {cell(res.get('batch_duration_s'), '{:.1f}')} s, hit "
-                   f"{cell(res.get('batch_hit_ratio'))}" if row != ALONE else ""))
-        results.update(got)
+                f"{_ms(res['ttft_p99_s'])} ms over {res['realtime_sent']} requests; batch "
+                f"{cell(res.get('batch_duration_s'), '{:.1f}')} s, hit "
+                f"{cell(res.get('batch_hit_ratio'))}")
+            results[row] = res
+    if alone_s:
+        res = realtime_summary(alone, alone_s)
+        log(f"{ROW_LABELS[ALONE]}: TTFT p50 {_ms(res['ttft_p50_s'])} ms, p99 "
+            f"{_ms(res['ttft_p99_s'])} ms over {res['realtime_sent']} requests")
+        results[ALONE] = res
     return results
 
 
@@ -631,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true",
-                   help="scale down for a quick check: 200 batch lines, 20 s of row (0), 5 s "
+                   help="scale down for a quick check: 200 batch lines, 2 x 10 s of row (0), 5 s "
                         "warm-up (explicit options still win)")
     p.add_argument("--rows", default=",".join(ROWS),
                    help=f"comma-separated rows to run, of {', '.join(ROWS)}")
@@ -653,7 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=float, default=None,
                    help="seconds of realtime load before anything is measured (default 10)")
     g.add_argument("--alone", type=float, default=None,
-                   help="seconds of row (0), realtime without batch (default 60)")
+                   help="seconds of row (0), realtime without batch, on each of the isolated "
+                        "and borrowing gateways (default 30)")
     g = p.add_argument_group("batch")
     g.add_argument("--batch-lines", type=int, default=None, help="lines (default 2000)")
     g.add_argument("--batch-prompts", type=int, default=wl.batch_prompts)
@@ -694,7 +727,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                     reserved_fraction=args.reserved_fraction, borrow_below=args.borrow_below,
                     batch_concurrency=args.batch_concurrency)
     return Options(wl=wl, adm=adm, warmup_s=pick(args.warmup, 10.0, 5.0),
-                   alone_s=pick(args.alone, 60.0, 20.0), batch_via=args.batch_via)
+                   alone_s=pick(args.alone, 30.0, 10.0), batch_via=args.batch_via)
 
 
 def conditions(args: argparse.Namespace, opts: Options) -> str:

@@ -109,13 +109,13 @@ def test_scenario_configurations_differ_where_the_rows_do() -> None:
 def test_realtime_summary_counts_only_its_window() -> None:
     sent = [Sent(0.5, 0.010, 200), Sent(1.0, 0.020, 200), Sent(1.5, 0.040, 200),
             Sent(2.0, None, 429), Sent(2.5, None, 0, "ReadError"), Sent(3.0, 0.9, 200)]
-    s = bf.realtime_summary(sent, 1.0, 3.0)
+    s = bf.realtime_summary(bf.in_window(sent, 1.0, 3.0), 2.0)
     assert s["realtime_sent"] == 4 and s["realtime_ok"] == 2
     assert s["realtime_rejected"] == 1 and s["realtime_errors"] == 1
     assert s["ttft_p50_s"] == pytest.approx(0.030)
     assert s["ttft_p99_s"] == pytest.approx(0.0398)
     assert s["window_s"] == 2.0
-    empty = bf.realtime_summary(sent, 10.0, 11.0)
+    empty = bf.realtime_summary(bf.in_window(sent, 10.0, 11.0), 1.0)
     assert empty["ttft_p99_s"] is None and empty["realtime_sent"] == 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loadtests.caches import reset_prefix_caches
+from loadtests.fleet import Fleet
 from loadtests.metrics import HITS, QUERIES, WAITING, labelled_values, parse_sums
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
@@ -145,3 +148,22 @@ def test_labelled_values_reads_each_series_with_its_labels() -> None:
         ({"pool": "rt", "replica": "r-1", "traffic_class": "realtime", "status": "429"}, 1.0),
     ]
     assert labelled_values("plain_total 2\n", "plain_total") == [({}, 2.0)]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_fleet_redis_answers_and_stops_with_the_fleet() -> None:
+    fleet = Fleet()
+    try:
+        url = fleet.start_redis()
+        host_port = url.removeprefix("redis://").split("/")[0]
+        port = int(host_port.split(":")[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"SET k v\r\nGET k\r\n")
+            got = b""
+            while got.count(b"\r\n") < 3:
+                got += s.recv(64)
+        assert got == b"+OK\r\n$1\r\nv\r\n"
+        (proc,) = fleet.procs
+    finally:
+        fleet.stop()
+    assert proc.poll() is not None
