@@ -163,7 +163,7 @@ class Admission:
     realtime_per_replica: int = 16      # max_inflight_per_replica of the realtime pool
     batch_per_replica: int = 32         # max_inflight_per_replica of the batch pool
     reserved_fraction: float = 0.25     # share of each pool never lent to another class
-    borrow_below: float = 0.5           # the batch class borrows while realtime's load < this
+    borrow_below: float = 0.4           # the batch class borrows while realtime's load < this
     batch_concurrency: int = 128        # lines of the batch in flight at once
     max_queue: int = 4096
 
@@ -272,11 +272,17 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     base = get(ALONE, "ttft_p99_s")
     b99, c99 = get(BORROW, "ttft_p99_s"), get(ONE_POOL, "ttft_p99_s")
     ta, tb = get(ISOLATED, "batch_duration_s"), get(BORROW, "batch_duration_s")
+    a99 = get(ISOLATED, "ttft_p99_s")
     ratio_b = b99 / base if b99 is not None and base else None
     ratio_c = c99 / base if c99 is not None and base else None
     return {
         "borrow_p99_over_alone": ratio_b,
         "one_pool_p99_over_alone": ratio_c,
+        # Not a target: with pools isolated the realtime replicas never see batch work, so
+        # what (a) adds to (0) is the machine (the gateway and the simulated fleet sharing
+        # its cores with the flood); (b) over (a) is what borrowing itself costs.
+        "isolated_p99_over_alone": a99 / base if a99 is not None and base else None,
+        "borrow_p99_over_isolated": b99 / a99 if b99 is not None and a99 else None,
         "borrow_p99_met": None if ratio_b is None else ratio_b <= TARGET_P99_RATIO,
         "borrow_faster_met": None if ta is None or tb is None else tb < ta,
         "one_pool_hurts_met": None if ratio_c is None else ratio_c > TARGET_P99_RATIO,
@@ -315,14 +321,18 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
     def verdict(met: bool | None) -> str:
         return "not measured" if met is None else ("met" if met else "NOT met")
 
-    ratio = cell(t["borrow_p99_over_alone"], "{:.2f}x")
-    ratio_c = cell(t["one_pool_p99_over_alone"], "{:.2f}x")
+    def x(key: str) -> str:
+        return cell(t[key], "{:.2f}x")
+
     return [
-        f"(b) realtime p99 / (0) realtime p99 = {ratio} (target <= {TARGET_P99_RATIO}x: "
-        f"{verdict(t['borrow_p99_met'])})",
+        f"(b) realtime p99 / (0) realtime p99 = {x('borrow_p99_over_alone')} (target <= "
+        f"{TARGET_P99_RATIO}x: {verdict(t['borrow_p99_met'])})",
         f"(b) batch faster than (a): {verdict(t['borrow_faster_met'])}",
-        f"(c) realtime p99 / (0) realtime p99 = {ratio_c} (must visibly hurt, > "
-        f"{TARGET_P99_RATIO}x: {verdict(t['one_pool_hurts_met'])})",
+        f"(c) realtime p99 / (0) realtime p99 = {x('one_pool_p99_over_alone')} (must visibly "
+        f"hurt, > {TARGET_P99_RATIO}x: {verdict(t['one_pool_hurts_met'])})",
+        f"for reading the above: (a) / (0) = {x('isolated_p99_over_alone')} (no batch work on "
+        f"realtime replicas: the machine's share), (b) / (a) = "
+        f"{x('borrow_p99_over_isolated')} (what borrowing adds)",
     ]
 
 

@@ -138,6 +138,8 @@ def test_targets_met_and_not_met() -> None:
     assert t["borrow_p99_over_alone"] == pytest.approx(1.15)
     assert t["one_pool_p99_over_alone"] == pytest.approx(4.0)
     assert t["borrow_p99_met"] and t["borrow_faster_met"] and t["one_pool_hurts_met"]
+    assert t["isolated_p99_over_alone"] == pytest.approx(1.0)
+    assert t["borrow_p99_over_isolated"] == pytest.approx(1.15)
     t = bf.targets(_rows(0.100, 0.130, 0.110, 120.0, 130.0))
     assert t["borrow_p99_met"] is False and t["borrow_faster_met"] is False
     assert t["one_pool_hurts_met"] is False
@@ -159,6 +161,7 @@ def test_table_has_a_row_per_measured_scenario_in_order() -> None:
     assert lines[0].startswith("(b) realtime p99 / (0) realtime p99 = 1.15x")
     assert "met" in lines[0] and "NOT" not in lines[0]
     assert "4.00x" in lines[2]
+    assert "(a) / (0) = 1.00x" in lines[3] and "(b) / (a) = 1.15x" in lines[3]
 
 
 def test_share_of_batch_requests_on_realtime_replicas() -> None:
