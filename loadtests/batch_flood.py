@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import random
 import sys
 import time
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import orjson
 
 from gateway.processes import free_ports
@@ -267,7 +269,7 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     faster than (a)'s, (c)'s p99 visibly worse than (0)'s (above 1.2x). A target whose rows
     are missing is None."""
     def get(row: str, key: str) -> float | None:
-        return rows.get(row, {}).get(key)
+        return rows.get(row, {}).get(key)  # a failed row has none of the figures
 
     base = get(ALONE, "ttft_p99_s")
     b99, c99 = get(BORROW, "ttft_p99_s"), get(ONE_POOL, "ttft_p99_s")
@@ -296,11 +298,15 @@ def _ms(v: float | None) -> str:
 def table_rows(rows: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the results table, one row per scenario measured, in ROWS order."""
     header = ["scenario", "realtime sent", "429", "errors", "TTFT p50 ms", "TTFT p99 ms",
-              "batch s", "batch lines ok", "batch hit ratio", "batch on realtime replicas"]
+              "batch s", "batch lines ok", "batch hit ratio", "batch on realtime replicas",
+              "load avg"]
     out = []
     for key in ROWS:
         r = rows.get(key)
         if r is None:
+            continue
+        if "failed" in r:
+            out.append([ROW_LABELS[key], "failed", *["-"] * (len(header) - 2)])
             continue
         batch = key != ALONE
         lines = f"{r.get('batch_ok', 0)}/{r.get('batch_lines_sent', 0)}" if batch else "-"
@@ -310,6 +316,7 @@ def table_rows(rows: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[st
             cell(r.get("batch_duration_s"), "{:.1f}") if batch else "-", lines,
             cell(r.get("batch_hit_ratio")) if batch else "-",
             cell(r.get("batch_on_realtime_replicas"), "{:.1%}") if batch else "-",
+            cell(r.get("load_avg_1m"), "{:.1f}"),
         ])
     return header, out
 
@@ -405,10 +412,8 @@ async def run_batch_api(url: str, data: bytes, poll_s: float, timeout_s: float,
                         started: asyncio.Event) -> BatchOutcome:
     """Upload `data` and run it through the Batch API with the official client; the time
     from `batches.create` to a final status, and what the output file holds."""
-    from openai import AsyncOpenAI
-
     out = BatchOutcome()
-    async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=2) as client:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=2) as client:
         f = await client.files.create(file=("flood.jsonl", data), purpose="batch")
         t0 = time.perf_counter()
         started.set()
@@ -569,6 +574,7 @@ class GatewayRun:
 
     windows: dict[str, tuple[list[Sent], float]] = field(default_factory=dict)
     batch: BatchOutcome | None = None
+    alone_load: float = 0.0             # the 1-minute load average after row (0)'s window
 
 
 async def run_gateway(url: str, rows: Sequence[str], opts: Options,
@@ -579,6 +585,7 @@ async def run_gateway(url: str, rows: Sequence[str], opts: Options,
     load = RealtimeProcess(url, opts.wl, realtime_prompts)
     windows: dict[str, tuple[float, float]] = {}
     outcome: BatchOutcome | None = None
+    alone_load = 0.0
     batch_row = next((r for r in rows if r != ALONE), None)
     try:
         await asyncio.sleep(opts.warmup_s)
@@ -587,6 +594,7 @@ async def run_gateway(url: str, rows: Sequence[str], opts: Options,
             log(f"(0): realtime alone for {opts.alone_s:.0f} s")
             await asyncio.sleep(opts.alone_s)
             windows[ALONE] = (t0, time.perf_counter())
+            alone_load = os.getloadavg()[0]
         if batch_row is not None:
             started = asyncio.Event()
             log(f"{ROW_LABELS[batch_row]}: {len(lines)} batch lines via {opts.batch_via}")
@@ -596,14 +604,17 @@ async def run_gateway(url: str, rows: Sequence[str], opts: Options,
             else:
                 job = run_batch_requests(url, lines, opts.adm.batch_concurrency, started)
             task = asyncio.create_task(job)
-            await started.wait()
+            # Until the batch starts (or the job fails before, e.g. on its upload).
+            waiter = asyncio.create_task(started.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             t0 = time.perf_counter()
             outcome = await task
             windows[batch_row] = (t0, time.perf_counter())
     finally:
         sent = load.finish()
     return GatewayRun({row: (in_window(sent, a, b), b - a) for row, (a, b) in windows.items()},
-                      outcome)
+                      outcome, alone_load)
 
 
 def batch_figures(outcome: BatchOutcome, lines_sent: int) -> dict[str, Any]:
@@ -628,7 +639,7 @@ def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: l
     urls = [*realtime_urls, *batch_urls]
     results: dict[str, dict[str, Any]] = {}
     alone: list[Sent] = []
-    alone_s = 0.0
+    alone_s = alone_load = 0.0
     for scenario, rows in GATEWAYS:
         rows = tuple(r for r in rows if r in only)
         if not rows:
@@ -637,21 +648,29 @@ def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: l
         reset_prefix_caches(urls)
         cfg = scenario_config(scenario, realtime_urls, batch_urls, free_ports(1)[0],
                               redis_url if opts.batch_via == "api" else None, opts.adm)
-        url, proc = fleet.start_gateway_config(cfg, name=f"gateway-{scenario}")
         try:
-            run = run_async(run_gateway(url, rows, opts, rt_prompts, lines))
-            counts = requests_by_replica_and_class(url)
-        finally:
-            fleet.stop_process(proc)
+            url, proc = fleet.start_gateway_config(cfg, name=f"gateway-{scenario}")
+            try:
+                run = run_async(run_gateway(url, rows, opts, rt_prompts, lines))
+                counts = requests_by_replica_and_class(url)
+            finally:
+                fleet.stop_process(proc)
+        except (RuntimeError, OSError, httpx.HTTPError, openai.OpenAIError) as exc:
+            log(f"{scenario}: FAILED: {exc}")
+            for row in rows:
+                results[row] = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
+            continue
         for row, (sent, window_s) in run.windows.items():
             if row == ALONE:
                 alone += sent
                 alone_s += window_s
+                alone_load = max(alone_load, run.alone_load)
                 continue
             res = realtime_summary(sent, window_s)
             if run.batch is not None:
                 res.update(batch_figures(run.batch, len(lines)))
             res["batch_on_realtime_replicas"] = share_on_realtime_replicas(counts)
+            res["load_avg_1m"] = os.getloadavg()[0]
             log(f"{ROW_LABELS[row]}: TTFT p50 {_ms(res['ttft_p50_s'])} ms, p99 "
                 f"{_ms(res['ttft_p99_s'])} ms over {res['realtime_sent']} requests; batch "
                 f"{cell(res.get('batch_duration_s'), '{:.1f}')} s, hit "
@@ -659,6 +678,7 @@ def run_all(opts: Options, fleet: Fleet, realtime_urls: list[str], batch_urls: l
             results[row] = res
     if alone_s:
         res = realtime_summary(alone, alone_s)
+        res["load_avg_1m"] = alone_load
         log(f"{ROW_LABELS[ALONE]}: TTFT p50 {_ms(res['ttft_p50_s'])} ms, p99 "
             f"{_ms(res['ttft_p99_s'])} ms over {res['realtime_sent']} requests")
         results[ALONE] = res
@@ -782,11 +802,14 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(header, cells))
     print()
     print("\n".join(summary_lines(rows)))
+    for key, r in rows.items():
+        if "failed" in r:
+            print(f"{ROW_LABELS[key]}: failed: {r['failed']}")
     result = {"conditions": {**vars(args), "workload": asdict(opts.wl),
                              "admission": asdict(opts.adm)},
               "rows": rows, "targets": targets(rows)}
     emit_json(result, args.json, args.output)
-    return 0
+    return 1 if any("failed" in r for r in rows.values()) else 0
 
 
 if __name__ == "__main__":

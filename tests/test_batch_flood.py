@@ -179,3 +179,14 @@ def test_smoke_scales_down_and_explicit_options_win() -> None:
     assert opts.wl.batch_lines == 500
     full = bf.options_from_args(bf.build_parser().parse_args([]))
     assert full.wl.batch_lines == 2000
+
+
+def test_a_failed_row_shows_as_failed_and_its_targets_as_not_measured() -> None:
+    rows = _rows(0.100, 0.115, 0.400, 120.0, 90.0)
+    rows[BORROW] = {"failed": "RuntimeError: gateway borrow did not become ready"}
+    header, cells = bf.table_rows(rows)
+    borrow = next(c for c in cells if c[0] == bf.ROW_LABELS[BORROW])
+    assert borrow[1] == "failed" and len(borrow) == len(header)
+    t = bf.targets(rows)
+    assert t["borrow_p99_met"] is None and t["borrow_faster_met"] is None
+    assert t["one_pool_hurts_met"] is True
