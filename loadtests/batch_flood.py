@@ -36,7 +36,7 @@ from gateway.processes import free_ports
 from loadtests.caches import reset_prefix_caches
 from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import labelled_values, wait_idle
-from loadtests.report import cell, emit_json, text_table
+from loadtests.report import cell, emit_json, markdown_table, text_table
 from loadtests.stats import percentile
 
 ALONE, ISOLATED, BORROW, ONE_POOL = "alone", "isolated", "borrow", "one_pool"
@@ -733,6 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--borrow-below", type=float, default=adm.borrow_below)
     g.add_argument("--batch-concurrency", type=int, default=adm.batch_concurrency)
     p.add_argument("--seed", type=int, default=wl.seed)
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     p.add_argument("--output", help="append the JSON result to this JSONL file")
     return p
@@ -799,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     header, cells = table_rows(rows)
     print(f"\n{conditions(args, opts)}. Realtime rows with a batch count only the requests "
           "sent while the batch ran.\n")
-    print(text_table(header, cells))
+    print(markdown_table(header, cells, "l" + "r" * (len(header) - 1)) if args.markdown
+          else text_table(header, cells))
     print()
     print("\n".join(summary_lines(rows)))
     for key, r in rows.items():
