@@ -165,7 +165,7 @@ class Admission:
     realtime_per_replica: int = 16      # max_inflight_per_replica of the realtime pool
     batch_per_replica: int = 32         # max_inflight_per_replica of the batch pool
     reserved_fraction: float = 0.25     # share of each pool never lent to another class
-    borrow_below: float = 0.4           # the batch class borrows while realtime's load < this
+    borrow_below: float = 0.3           # the batch class borrows while realtime's load < this
     batch_concurrency: int = 128        # lines of the batch in flight at once
     max_queue: int = 4096
 
