@@ -167,7 +167,6 @@ class Admission:
     reserved_fraction: float = 0.25     # share of each pool never lent to another class
     borrow_below: float = 0.3           # the batch class borrows while realtime's load < this
     batch_concurrency: int = 128        # lines of the batch in flight at once
-    max_queue: int = 4096
 
 
 def scenario_config(scenario: str, realtime_urls: Sequence[str], batch_urls: Sequence[str],
@@ -207,12 +206,13 @@ def scenario_config(scenario: str, realtime_urls: Sequence[str], batch_urls: Seq
          "reserved_fraction": adm.reserved_fraction,
          "replicas": replicas("batch", batch_urls)},
     ]
-    batch_admission: dict[str, Any] = {"max_queue": adm.max_queue}
+    # Batch lines queue as long as they must (the runner holds at most batch_concurrency).
+    batch_admission: dict[str, Any] = {"max_queue": 4096, "max_queue_wait_s": 3600}
     if scenario == BORROW:
         batch_admission["borrow"] = [{"pool": "realtime", "while_below": adm.borrow_below}]
     cfg["traffic_classes"] = [
         {"name": "realtime", "pool": "realtime", "priority": 10,
-         "admission": {"max_queue": adm.max_queue}},
+         "admission": {"max_queue": 256, "max_queue_wait_s": 30}},
         {"name": "batch", "pool": "batch", "priority": 0, "admission": batch_admission},
     ]
     return cfg
