@@ -807,7 +807,10 @@ def main(argv: list[str] | None = None) -> int:
     for key, r in rows.items():
         if "failed" in r:
             print(f"{ROW_LABELS[key]}: failed: {r['failed']}")
-    result = {"conditions": {**vars(args), "workload": asdict(opts.wl),
+    # The values used, not the options' None that stands for "the default (or --smoke's)".
+    effective = {"warmup": opts.warmup_s, "alone": opts.alone_s,
+                 "batch_lines": opts.wl.batch_lines}
+    result = {"conditions": {**vars(args), **effective, "workload": asdict(opts.wl),
                              "admission": asdict(opts.adm)},
               "rows": rows, "targets": targets(rows)}
     emit_json(result, args.json, args.output)
