@@ -9,8 +9,8 @@ OpenAI Batch API (`files.create`, `batches.create`, polled with `batches.retriev
 TTFT is measured at the client and counted only for requests sent while the batch ran; row
 (0) is the same realtime stream before any batch was submitted.
 
-    python -m loadtests.batch_flood            # the documented run (about 10 minutes)
-    python -m loadtests.batch_flood --smoke    # a scaled-down run (about 2 minutes)
+    python -m loadtests.batch_flood            # the documented run (about 6 minutes)
+    python -m loadtests.batch_flood --smoke    # a check that it all runs (about 1.5 minutes)
 """
 
 from __future__ import annotations
