@@ -16,7 +16,13 @@ from backends.pool import Pool, ReplicaState
 from backends.upstream import ConnectFailed, ConnectionDropped, Timeouts, UpstreamResponse
 from gateway.admission import Refused
 from gateway.attempt import Attempt
-from gateway.errors import GatewayError, model_not_found, no_replica, upstream_failed
+from gateway.errors import (
+    GatewayError,
+    bad_request,
+    model_not_found,
+    no_replica,
+    upstream_failed,
+)
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.outcome import Finished, Outcome
 from gateway.relay import (
@@ -211,7 +217,12 @@ class RequestCore:
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                          "include_usage": True}
-            body = orjson.dumps(payload)
+            try:
+                body = orjson.dumps(payload)
+            except orjson.JSONEncodeError:
+                # orjson parses 1,024 levels but writes only 254.
+                raise bad_request("The request body is nested too deeply (at most 254 levels "
+                                  "of arrays and objects).", code="nested_too_deep") from None
             assemble = True
         fwd = {"Content-Type": "application/json"}
         for h in _FORWARD_HEADERS:

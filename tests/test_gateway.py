@@ -205,6 +205,19 @@ async def test_openai_client_sees_typed_errors(gw: Harness) -> None:
             model="tiny", messages=[{"role": "user", "content": "x"}])
 
 
+async def test_a_deeply_nested_body_is_a_400_not_a_500(gw: Harness) -> None:
+    # 300 levels parse, but the JSON encoder stops at 254: re-serialising a non-streaming body
+    # for the replica (streamed internally, to time it) must answer with a 400 in OpenAI's
+    # shape. (A streaming body is forwarded as sent: the engine judges it.)
+    nested = "[" * 300 + "]" * 300
+    body = (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "extra": ' + nested.encode()
+            + b"}")
+    r = await gw.http.post("/v1/completions", content=body,
+                           headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "nested_too_deep"
+
+
 async def test_replica_errors_pass_through(gw: Harness) -> None:
     # A request the engine itself rejects (its 4xx) reaches the client as the engine sent it.
     body = {"model": "tiny", "prompt": "x", "max_tokens": -5}
