@@ -127,12 +127,10 @@ class RequestCore:
                 try:
                     grant = await self.admission.wait(gate, request.model, call.priority, link)
                 except GatewayError as err:
-                    obs.finished(Finished(pool.name, "none", call.traffic_class,
-                                          str(err.status), perf_counter() - request.received_at))
+                    self._unrouted(call, str(err.status))
                     return error_reply(err, err.headers if isinstance(err, Refused) else None)
                 if grant is None:  # the client left while queued
-                    obs.finished(Finished(pool.name, "none", call.traffic_class, "499",
-                                          perf_counter() - request.received_at))
+                    self._unrouted(call, "499")
                     return Reply(499, [], b"")
         handed_over = False  # the slot is released by the stream, when it ends
         try:
@@ -148,8 +146,7 @@ class RequestCore:
                 # this model: then the replicas that do take it, over their limit.
                 views = [v for v in views if v.inflight < limit] or views
             if not views:
-                obs.finished(Finished(pool.name, "none", call.traffic_class, "503",
-                                      perf_counter() - request.received_at))
+                self._unrouted(call, "503")
                 return error_reply(no_replica(pool.name))
             first = decision = pool.router.route(call.routing, views)
             obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
@@ -235,6 +232,11 @@ class RequestCore:
             priority = classifier.priority(headers) if classifier.sets_priority else 0
         return _Call(request, pool, cls, routing, body, fwd,
                      auth.decode("latin-1") if auth else None, assemble, priority)
+
+    def _unrouted(self, call: _Call, status: str) -> None:
+        """The request ends with `status` before any replica was chosen."""
+        self.state.observer.finished(Finished(call.pool.name, "none", call.traffic_class, status,
+                                              perf_counter() - call.request.received_at))
 
     async def _borrow(self, call: _Call, pool: Pool) -> Pool:
         """The call moves to a pool its class borrows: hashed again, as that pool hashes."""

@@ -38,6 +38,7 @@ from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import labelled_values, wait_idle
 from loadtests.report import cell, emit_json, markdown_table, text_table
 from loadtests.stats import percentile
+from loadtests.traces import WORDS
 
 ALONE, ISOLATED, BORROW, ONE_POOL = "alone", "isolated", "borrow", "one_pool"
 ROWS = (ALONE, ISOLATED, BORROW, ONE_POOL)
@@ -57,13 +58,6 @@ BATCH_CLASS_HEADER = "x-traffic-class"
 # The gateway's extra field of a batch object: the engines' prefix-cache figures over its
 # lines, {"prompt_tokens", "cached_tokens", "hit_ratio"}.
 BATCH_CACHE_FIELD = "prefix_cache"
-
-_WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber basil "
-    "cedar dune ember fjord grove harbor iris jade kelp lumen maple nectar onyx pearl quartz "
-    "reef sage thorn umber vale willow yarrow zephyr"
-).split()
 
 
 def log(msg: str) -> None:
@@ -98,7 +92,7 @@ def filler(seed: int, tokens: int, head: str = "") -> str:
     parts = [head] if head else []
     size = len(head)
     while size < target:
-        w = rng.choice(_WORDS)
+        w = rng.choice(WORDS)
         parts.append(w)
         size += len(w) + 1
     return " ".join(parts)[:target]

@@ -33,7 +33,7 @@ BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = 4
 BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
 
-_WORDS = (
+WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber basil "
     "cedar dune ember fjord grove harbor iris jade kelp lumen maple nectar onyx pearl quartz "
@@ -179,7 +179,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 def block_text(hash_id: int) -> str:
     """The text of a full block: exactly BLOCK_CHARS characters, a pure function of its id."""
     rng = random.Random(hash_id)
-    words = rng.choices(_WORDS, k=BLOCK_CHARS // 4)
+    words = rng.choices(WORDS, k=BLOCK_CHARS // 4)
     text = f"[{hash_id}] " + " ".join(words)
     return (text + " " + text)[:BLOCK_CHARS - 1] + "\n"
 

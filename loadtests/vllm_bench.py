@@ -54,7 +54,7 @@ from loadtests.report import cell, markdown_table, median_range
 from loadtests.settings import key_value
 from loadtests.sse import data_events
 from loadtests.stats import median, percentile
-from loadtests.traces import _WORDS
+from loadtests.traces import WORDS
 
 COUNTERS = (HITS, QUERIES, f"{ENGINE_TTFT}_sum", f"{ENGINE_TTFT}_count", f"{ENGINE_QUEUE}_sum",
             f"{ENGINE_QUEUE}_count")
@@ -92,7 +92,7 @@ class Workload:
 def words(seed: int, n: int) -> str:
     """``n`` deterministic words of seed ``seed``."""
     rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
+    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def fit_words(target_tokens: int, count: Callable[[int], int], start: int) -> int:
