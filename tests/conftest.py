@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import subprocess
 import sys
@@ -112,6 +114,21 @@ def poll(predicate, deadline_s: float = 10.0, interval_s: float = 0.05):
         if time.monotonic() > end:
             raise AssertionError(f"condition not met within {deadline_s}s")
         time.sleep(interval_s)
+
+
+async def eventually(predicate, deadline_s: float = 15.0, interval_s: float = 0.02):
+    """`poll` for async tests: wait for `predicate()` (a plain or a coroutine function) to
+    return a truthy value, or fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {deadline_s}s")
+        await asyncio.sleep(interval_s)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ never by timing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import openai
@@ -19,9 +19,9 @@ from backends.upstream.inprocess import HandlerResponse
 from gateway.exchange import InferenceRequest
 from gateway.parse import parse_body
 from gateway.stats import render_table
-from tests.conftest import tenant_prompt
+from tests.conftest import eventually, tenant_prompt
 from tests.inprocess import Harness, gateway, two_pools
-from tests.test_gateway import asgi_request, eventually, sample, sse_event
+from tests.test_gateway import asgi_request, sample, sse_event
 
 
 class Held:
@@ -87,15 +87,6 @@ def admission_config(*, rt: int = 1, bt: int = 1, rt_limit: int | None = 1,
     return config
 
 
-async def until(predicate: Callable[[], Any]) -> None:
-    """Wait (with a deadline) until `predicate()` holds; it may be a coroutine function."""
-    async def check() -> Any:
-        value = predicate()
-        return await value if isinstance(value, Awaitable) else value
-
-    await eventually(check)
-
-
 async def admission(gw: Harness) -> tuple[dict[str, dict], dict[str, dict]]:
     """/admin/stats' admission section: (classes by name, pools by name)."""
     section = (await gw.stats())["admission"]
@@ -158,7 +149,7 @@ async def test_past_its_queue_a_class_gets_429_with_retry_after_and_the_queue_is
     config = admission_config(realtime={"max_queue": 2, "retry_after_s": 3})
     async with gateway(config, handlers=held) as gw:
         first = send(gw, "first")
-        await until(lambda: held["rt-0"].prompts == ["first"])
+        await eventually(lambda: held["rt-0"].prompts == ["first"])
         waiting = [send(gw, f"queued {i}") for i in range(2)]
         await until_queued(gw, "realtime", 2)
         with pytest.raises(openai.RateLimitError) as refused:
@@ -171,7 +162,7 @@ async def test_past_its_queue_a_class_gets_429_with_retry_after_and_the_queue_is
         # The two queued are served in turn, as the slot frees.
         for n in (2, 3):
             held["rt-0"].finish()
-            await until(lambda n=n: len(held["rt-0"].prompts) == n)
+            await eventually(lambda n=n: len(held["rt-0"].prompts) == n)
         held["rt-0"].finish()
         replies = await asyncio.gather(first, *waiting)
         assert [r.status_code for r in replies] == [200, 200, 200]
@@ -189,7 +180,7 @@ async def test_a_request_that_waits_its_longest_gets_429() -> None:
     config = admission_config(realtime={"max_queue_wait_s": 0.05})
     async with gateway(config, handlers=held) as gw:
         first = send(gw, "first")
-        await until(lambda: held["rt-0"].prompts == ["first"])
+        await eventually(lambda: held["rt-0"].prompts == ["first"])
         r = await gw.http.post("/v1/completions",
                                json={"model": "tiny", "prompt": "late", "max_tokens": 2})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -233,12 +224,12 @@ async def test_capacity_follows_health_and_a_dead_pool_answers_503_not_429() -> 
         held["rt-1"].down = True
         await until_capacity(gw, "realtime", 1)
         first = send(gw, "first")
-        await until(lambda: held["rt-0"].prompts == ["first"])
+        await eventually(lambda: held["rt-0"].prompts == ["first"])
         second = send(gw, "second")
         await until_queued(gw, "realtime", 1)
         # A replica back in rotation adds its slots: the queued request goes there at once.
         held["rt-1"].down = False
-        await until(lambda: held["rt-1"].prompts == ["second"])
+        await eventually(lambda: held["rt-1"].prompts == ["second"])
         samples = await gw.metrics()
         assert sample(samples, "gateway_admission_capacity", pool="realtime") == 2
         held["rt-1"].finish()
@@ -268,18 +259,18 @@ async def test_the_replica_is_chosen_when_the_request_leaves_the_queue(freed: st
     async with gateway(admission_config(rt=2), handlers=held) as gw:
         prefix = tenant_prompt(1)
         a = send(gw, prefix + " A")
-        await until(lambda: arrived(held) == 1)
+        await eventually(lambda: arrived(held) == 1)
         home = next(n for n, h in held.items() if h.prompts)
         other = ({"rt-0", "rt-1"} - {home}).pop()
         # The prefix's home is at its limit, so it is hidden from routing: B goes elsewhere.
         b = send(gw, tenant_prompt(2) + " B")
-        await until(lambda: len(held[other].prompts) == 1)
+        await eventually(lambda: len(held[other].prompts) == 1)
         # C shares A's prefix and waits; where it goes depends on which replica frees first.
         c = send(gw, prefix + " C")
         await until_queued(gw, "realtime", 1)
         target = home if freed == "home" else other
         held[target].finish()
-        await until(lambda: arrived(held) == 3)
+        await eventually(lambda: arrived(held) == 3)
         assert held[target].prompts[-1].endswith(" C")
         held[target].finish()
         reply = await c
@@ -300,14 +291,14 @@ async def test_realtime_is_served_before_batch_when_both_wait_for_one_pool() -> 
     async with gateway(config, handlers=held) as gw:
         rt = held["rt-0"]
         tasks = [send(gw, "batch 0", cls="batch")]
-        await until(lambda: rt.prompts == ["batch 0"])
+        await eventually(lambda: rt.prompts == ["batch 0"])
         tasks += [send(gw, f"batch {i}", cls="batch") for i in (1, 2)]
         await until_queued(gw, "batch", 2)
         tasks.append(send(gw, "realtime 1"))
         await until_queued(gw, "realtime", 1)
         for n in (2, 3, 4):
             rt.finish()
-            await until(lambda n=n: len(rt.prompts) == n)
+            await eventually(lambda n=n: len(rt.prompts) == n)
         rt.finish()
         assert rt.prompts == ["batch 0", "realtime 1", "batch 1", "batch 2"]
         assert [t.status_code for t in await asyncio.gather(*tasks)] == [200] * 4
@@ -322,16 +313,16 @@ async def test_at_equal_rank_a_freed_slot_goes_to_the_pools_own_class_first() ->
     config["traffic_classes"].reverse()  # the borrower listed first: ownership decides
     async with gateway(config, handlers=held) as gw:
         tasks = [send(gw, "realtime 0"), send(gw, "batch 0", cls="batch")]
-        await until(lambda: arrived(held) == 2)
+        await eventually(lambda: arrived(held) == 2)
         tasks.append(send(gw, "batch 1", cls="batch"))  # waits for either pool
         await until_queued(gw, "batch", 1)
         tasks.append(send(gw, "realtime 1"))
         await until_queued(gw, "realtime", 1)
         held["rt-0"].finish()  # the realtime pool's slot: its own class first
-        await until(lambda: len(held["rt-0"].prompts) == 2)
+        await eventually(lambda: len(held["rt-0"].prompts) == 2)
         assert held["rt-0"].prompts == ["realtime 0", "realtime 1"]
         held["rt-0"].finish()  # now idle: the batch class may borrow it
-        await until(lambda: len(held["rt-0"].prompts) == 3)
+        await eventually(lambda: len(held["rt-0"].prompts) == 3)
         assert held["rt-0"].prompts[-1] == "batch 1"
         held["rt-0"].finish()
         held["bt-0"].finish()
@@ -352,14 +343,14 @@ async def test_a_class_borrows_below_the_threshold_and_never_the_reserved_share(
         {"pool": "batch", "while_below": while_below}]})
     async with gateway(config, handlers=held) as gw:
         tasks = [send(gw, "own")]
-        await until(lambda: held["rt-0"].prompts == ["own"])
+        await eventually(lambda: held["rt-0"].prompts == ["own"])
         for i in range(lent + 1):
             tasks.append(send(gw, f"extra {i}"))
 
             async def placed(i: int = i) -> bool:  # on a batch replica, or queued
                 return arrived(held) + await queued(gw, "realtime") == i + 2
 
-            await until(placed)
+            await eventually(placed)
         assert arrived(held) == 1 + lent and await queued(gw, "realtime") == 1
         classes, pools = await admission(gw)
         assert classes["realtime"]["inflight_by_pool"] == {"realtime": 1, "batch": lent}
@@ -373,7 +364,7 @@ async def test_a_class_borrows_below_the_threshold_and_never_the_reserved_share(
         for h in held.values():
             while h.waiting:
                 h.finish()
-        await until(lambda: arrived(held) == 2 + lent)  # the queued one got a slot
+        await eventually(lambda: arrived(held) == 2 + lent)  # the queued one got a slot
         for h in held.values():
             while h.waiting:
                 h.finish()
@@ -390,9 +381,9 @@ async def test_borrowed_work_is_refused_or_queued_first_when_the_owners_load_ris
         {"pool": "batch", "while_below": 0.5}]})
     async with gateway(config, handlers=held) as gw:
         tasks = [send(gw, "realtime 0"), send(gw, "realtime 1")]
-        await until(lambda: arrived(held) == 2)  # its own slot, and one borrowed (load 1/4)
+        await eventually(lambda: arrived(held) == 2)  # its own slot, and one borrowed (load 1/4)
         tasks.append(send(gw, "batch 0", cls="batch"))
-        await until(lambda: arrived(held) == 3)  # the batch pool's load is now 2/4
+        await eventually(lambda: arrived(held) == 3)  # the batch pool's load is now 2/4
         late = post(gw, "realtime 2")
         if max_queue == 0:
             r = await late
@@ -401,12 +392,12 @@ async def test_borrowed_work_is_refused_or_queued_first_when_the_owners_load_ris
             await until_queued(gw, "realtime", 1)
         # The pool's own class still gets every free slot, realtime's rank notwithstanding.
         tasks += [send(gw, f"batch {i}", cls="batch") for i in (1, 2)]
-        await until(lambda: arrived(held) == 5)
+        await eventually(lambda: arrived(held) == 5)
         tasks.append(send(gw, "batch 3", cls="batch"))
         await until_queued(gw, "batch", 1)
         first_batch = next(h for n, h in held.items() if h.prompts == ["batch 0"])
         first_batch.finish()  # a batch slot frees at a load of 3/4: batch's, not a borrower's
-        await until(lambda: any(h.prompts[-1:] == ["batch 3"] for h in held.values()))
+        await eventually(lambda: any(h.prompts[-1:] == ["batch 3"] for h in held.values()))
         assert await queued(gw, "realtime") == (0 if max_queue == 0 else 1)
         for name in ("batch 1", "batch 2"):
             next(h for h in held.values() if h.prompts[-1:] == [name]).finish()
@@ -414,11 +405,11 @@ async def test_borrowed_work_is_refused_or_queued_first_when_the_owners_load_ris
         async def batch_load(n: int) -> bool:
             return (await admission(gw))[1]["batch"]["inflight"] == n
 
-        await until(lambda: batch_load(2))  # realtime 1 and batch 3: still not below 0.5
+        await eventually(lambda: batch_load(2))  # realtime 1 and batch 3: still not below 0.5
         assert await queued(gw, "realtime") == (0 if max_queue == 0 else 1)
         next(h for h in held.values() if h.prompts[-1:] == ["batch 3"]).finish()
         if max_queue:
-            await until(lambda: arrived(held) == 7)  # at 1/4, realtime 2 may borrow
+            await eventually(lambda: arrived(held) == 7)  # at 1/4, realtime 2 may borrow
             r = await asyncio.wait_for(_finish_all_then(held, late), 10)
             assert r.status_code == 200
         for h in held.values():
@@ -445,7 +436,7 @@ async def test_priorities_order_a_class_queue() -> None:
     async with gateway(config, handlers=held) as gw:
         rt = held["rt-0"]
         tasks = [send(gw, "first")]
-        await until(lambda: rt.prompts == ["first"])
+        await eventually(lambda: rt.prompts == ["first"])
         order = [("plain 0", {}, {}), ("header 3", {"x-priority": "3"}, {}),
                  ("vip key", {}, {"api_key": "sk-vip"}),
                  ("header 3 again", {"x-priority": "3"}, {}),
@@ -460,7 +451,7 @@ async def test_priorities_order_a_class_queue() -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
         for n in range(2, len(order) + 2):
             rt.finish()
-            await until(lambda n=n: len(rt.prompts) == n)
+            await eventually(lambda n=n: len(rt.prompts) == n)
         rt.finish()
         assert rt.prompts[1:] == ["clamped to 8", "vip key", "header 3", "header 3 again",
                                   "plain 0", "plain 1", "vip lowered"]
@@ -479,7 +470,7 @@ async def test_a_client_that_leaves_while_queued_frees_its_place() -> None:
     held = holding("rt-0", "bt-0")
     async with gateway(admission_config(realtime={"max_queue": 1}), handlers=held) as gw:
         first = send(gw, "first")
-        await until(lambda: held["rt-0"].prompts == ["first"])
+        await eventually(lambda: held["rt-0"].prompts == ["first"])
         leave = asyncio.Event()
         leaving = asyncio.create_task(asgi_request(gw.app, "/v1/completions", body("gone"),
                                                    leave))
@@ -491,7 +482,7 @@ async def test_a_client_that_leaves_while_queued_frees_its_place() -> None:
         after = send(gw, "after")
         await until_queued(gw, "realtime", 1)
         held["rt-0"].finish()
-        await until(lambda: held["rt-0"].prompts == ["first", "after"])
+        await eventually(lambda: held["rt-0"].prompts == ["first", "after"])
         held["rt-0"].finish()
         assert [r.status_code for r in await asyncio.gather(first, after)] == [200, 200]
         samples = await gw.metrics()
@@ -507,7 +498,7 @@ async def test_a_stream_holds_its_slot_until_its_body_is_closed() -> None:
         sent: list[dict] = []
         streaming = asyncio.create_task(asgi_request(gw.app, "/v1/completions",
                                                      body("stream", stream=True), leave))
-        await until(lambda: held["rt-0"].prompts == ["stream"])
+        await eventually(lambda: held["rt-0"].prompts == ["stream"])
         # The client has its headers (and the first event) and the slot is still held.
         nxt = send(gw, "next")
         await until_queued(gw, "realtime", 1)
@@ -515,12 +506,12 @@ async def test_a_stream_holds_its_slot_until_its_body_is_closed() -> None:
         leave.set()  # the client leaves mid-stream: the stream closes, its slot frees
         sent = await asyncio.wait_for(streaming, 10)
         assert sent[0]["status"] == 200 and b"first" in sent[1]["body"]
-        await until(lambda: held["rt-0"].prompts == ["stream", "next"])
+        await eventually(lambda: held["rt-0"].prompts == ["stream", "next"])
         held["rt-0"].finish()
         assert (await nxt).status_code == 200
         # A stream read to its end releases its slot too.
         done = send(gw, "whole stream", stream=True)
-        await until(lambda: len(held["rt-0"].prompts) == 3)
+        await eventually(lambda: len(held["rt-0"].prompts) == 3)
         held["rt-0"].finish()
         assert "".join(ch.choices[0].text for ch in (await done).chunks) == "first last"
         await assert_all_returned(gw)
@@ -533,7 +524,7 @@ async def test_slots_and_queues_all_return_to_zero_after_everything() -> None:
     async with gateway(config, handlers=held) as gw:
         rt = held["rt-0"]
         ok = [send(gw, "own"), send(gw, "borrowed", stream=True)]  # rt-0, then one batch slot
-        await until(lambda: arrived(held) == 2)
+        await eventually(lambda: arrived(held) == 2)
         lent_to = next(n for n in ("bt-0", "bt-1") if held[n].prompts)
         broken = post(gw, "broken")  # queued; its stream will break (a 502)
         await until_queued(gw, "realtime", 1)
@@ -550,7 +541,7 @@ async def test_slots_and_queues_all_return_to_zero_after_everything() -> None:
             await cancelled
         await until_queued(gw, "realtime", 1)
         rt.finish()  # "own" done: "broken" gets the slot
-        await until(lambda: rt.prompts == ["own", "broken"])
+        await eventually(lambda: rt.prompts == ["own", "broken"])
         rt.finish(ok=False)
         assert (await broken).status_code == 502
         held[lent_to].finish()
@@ -559,12 +550,12 @@ async def test_slots_and_queues_all_return_to_zero_after_everything() -> None:
         assert replies[1].headers["x-gateway-pool"] == "batch"
         # A batch request that breaks mid-stream, and a core call cancelled while it streams.
         bstream = send(gw, "batch stream", cls="batch", stream=True)
-        await until(lambda: arrived(held) == 4)
+        await eventually(lambda: arrived(held) == 4)
         next(h for h in held.values() if h.waiting).finish(ok=False)
         with pytest.raises(openai.APIError, match="mid-stream"):
             await bstream
         core_call = asyncio.create_task(gw.app.core.handle(core_request("core", "batch")))
-        await until(lambda: arrived(held) == 5)
+        await eventually(lambda: arrived(held) == 5)
         core_call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await core_call
@@ -587,13 +578,13 @@ async def test_the_request_core_admits_requests_that_come_without_http() -> None
     async with gateway(admission_config(), handlers=held) as gw:
         core = gw.app.core
         calls = [asyncio.create_task(core.handle(core_request("line 0", "batch")))]
-        await until(lambda: held["bt-0"].prompts == ["line 0"])
+        await eventually(lambda: held["bt-0"].prompts == ["line 0"])
         calls += [asyncio.create_task(core.handle(core_request(f"line {i}", "batch", i)))
                   for i in (1, 2)]
         await until_queued(gw, "batch", 2)
         for n in (2, 3):
             held["bt-0"].finish()
-            await until(lambda n=n: len(held["bt-0"].prompts) == n)
+            await eventually(lambda n=n: len(held["bt-0"].prompts) == n)
         held["bt-0"].finish()
         assert held["bt-0"].prompts == ["line 0", "line 2", "line 1"]  # priority 2 first
         replies = await asyncio.gather(*calls)
@@ -605,7 +596,7 @@ async def test_without_admission_settings_nothing_waits_and_nothing_is_exported(
     held = holding("rt-0", "bt-0")
     async with gateway(two_pools(realtime=1, batch=1), handlers=held) as gw:
         tasks = [send(gw, f"r{i}") for i in range(6)]
-        await until(lambda: len(held["rt-0"].prompts) == 6)  # all forwarded at once
+        await eventually(lambda: len(held["rt-0"].prompts) == 6)  # all forwarded at once
         while held["rt-0"].waiting:
             held["rt-0"].finish()
         assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 6
@@ -625,7 +616,7 @@ async def test_metrics_stats_and_the_table_show_admission() -> None:
         {"pool": "batch", "while_below": 1.0}]})
     async with gateway(config, handlers=held) as gw:
         tasks = [send(gw, "own"), send(gw, "borrowed")]
-        await until(lambda: arrived(held) == 2)
+        await eventually(lambda: arrived(held) == 2)
         tasks.append(send(gw, "waits"))  # the class limit (2) holds it, though batch has room
         await until_queued(gw, "realtime", 1)
         r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "refused"})
@@ -664,7 +655,7 @@ async def test_metrics_stats_and_the_table_show_admission() -> None:
         for h in held.values():
             while h.waiting:
                 h.finish()
-        await until(lambda: arrived(held) == 3)
+        await eventually(lambda: arrived(held) == 3)
         for h in held.values():
             while h.waiting:
                 h.finish()

@@ -7,21 +7,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 
 from gateway import processes
-from tests.conftest import start_gateway, start_sims, two_pool_config
-
-
-async def until(check, deadline_s: float = 20.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not await check():
-        if time.monotonic() > end:
-            raise AssertionError(f"condition not met within {deadline_s}s")
-        await asyncio.sleep(0.05)
+from tests.conftest import eventually, start_gateway, start_sims, two_pool_config
 
 
 def test_a_flood_past_the_queue_gets_429s_and_leaving_clients_free_everything(tmp_path) -> None:
@@ -70,7 +61,7 @@ async def flood(url: str) -> None:
         async def two_queued() -> bool:
             return (await realtime())["queued"] == 2
 
-        await until(two_queued)
+        await eventually(two_queued, deadline_s=20)
         flooded = await asyncio.gather(*(one(f"flood {i}") for i in range(20)))
         assert {r.status_code for r in flooded} == {429}
         assert {r.headers["retry-after"] for r in flooded} == {"2"}
@@ -85,7 +76,7 @@ async def flood(url: str) -> None:
             c = await realtime()
             return c["queued"] == 0 and c["inflight"] == 0
 
-        await until(all_free)
+        await eventually(all_free, deadline_s=20)
         answer = await client.completions.create(model="tiny", prompt="after", max_tokens=2)
         assert answer.choices[0].text
         await client.close()

@@ -4,9 +4,8 @@ to the real ASGI app, simulated replicas behind the in-process transport."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import openai
@@ -15,22 +14,10 @@ import pytest
 
 from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.stats import render_table
-from tests.conftest import tenant_prompt
+from tests.conftest import eventually, tenant_prompt
 from tests.inprocess import Harness, gateway, sim_handler, two_pools
 
 T = TypeVar("T")
-
-
-async def eventually(check: Callable[[], Awaitable[T]], deadline_s: float = 15.0) -> T:
-    """Wait for `check()` to return a truthy value, or fail at the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"condition not met within {deadline_s}s")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
