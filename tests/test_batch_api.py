@@ -17,6 +17,7 @@ from backends.sim.app import SimApp
 from backends.sim.replica import SimReplicaSpec
 from backends.upstream.inprocess import HandlerResponse
 from gateway import processes
+from tests.conftest import eventually
 from tests.inprocess import gateway, sim_handler, two_pools
 
 SYSTEM = "You are the support assistant of ACME; answer in one short sentence. " * 40
@@ -284,10 +285,10 @@ async def test_cancel_stops_new_lines_and_ends_cancelled_with_partial_files(
     async with gateway(config(redis_server, concurrency=1), time_scale=1.0) as gw:
         c = gw.openai()
         batch = await submit(c, jsonl(lines))
-        end = time.monotonic() + 30
-        while (await c.batches.retrieve(batch.id)).request_counts.completed < 1:
-            assert time.monotonic() < end
-            await asyncio.sleep(0.01)
+        async def one_done() -> bool:
+            return (await c.batches.retrieve(batch.id)).request_counts.completed >= 1
+
+        await eventually(one_done, deadline_s=30)
         # The replicas stop answering: whatever the runner starts now waits, so the cancel
         # surely finds lines not yet run.
         await set_failing(gw, ["bt-0", "bt-1"], True)
@@ -351,11 +352,11 @@ async def test_a_gateway_stopped_gracefully_gives_its_lines_back_at_once(redis_s
         c = first.openai()
         await set_failing(first, ["bt-0", "bt-1"], True)
         batch = await submit(c, jsonl([chat_line(f"q{i}", "x") for i in range(4)]))
-        end = time.monotonic() + 30
-        while not [s for s in await first.metrics()
-                   if s.name == "gateway_batch_lines_in_flight" and s.value == 2]:
-            assert time.monotonic() < end
-            await asyncio.sleep(0.02)
+        async def both_leased() -> bool:
+            return any(s.name == "gateway_batch_lines_in_flight" and s.value == 2
+                       for s in await first.metrics())
+
+        await eventually(both_leased, deadline_s=30)
     async with gateway(cfg) as second:
         c = second.openai()
         batch = await finished(c, batch.id)
