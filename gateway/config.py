@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -139,6 +143,10 @@ class PoolConfig(_Strict):
     models: list[str] = Field(min_length=1)
     replicas: list[ReplicaConfig] = Field(min_length=1)
     api_key: str | None = None
+    pass_client_key: bool = Field(
+        False, description="forward the client's own Authorization header to the pool's "
+        "replicas when neither the pool nor the replica has an api_key (off: client keys "
+        "never leave the gateway)")
     routing: RoutingSettings | None = None
     health: HealthSettings = Field(default_factory=HealthSettings)
     max_inflight_per_replica: int | None = Field(
@@ -254,6 +262,8 @@ class ServerConfig(_Strict):
         description="stream from the replica internally for non-streaming requests, to "
         "measure their TTFT; the client still gets one JSON response",
     )
+    expose_docs: bool = Field(
+        False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")
 
 
 class RedisConfig(_Strict):
@@ -290,8 +300,142 @@ class BatchConfig(_Strict):
                                    "for batches to work on and renews its leases")
 
 
+# Authentication, authorisation and rate limits (docs/security.md) --------------------------
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+LOOPBACK_HOSTS = frozenset(("127.0.0.1", "::1", "localhost"))
+
+
+def key_digest(key: str) -> str:
+    """How the gateway stores and compares a key: `sha256:` and the hex SHA-256 of its text."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeySource(_Strict):
+    """Where a key comes from: its digest written in the file (`key`), or the plain key in an
+    environment variable (`key_env`) or a file (`key_file`), hashed when the config is read.
+    Exactly one of them."""
+
+    key: str | None = Field(None, description="sha256:<64 hex digits>, from "
+                            "`prefix-gateway hash-key`")
+    key_env: str | None = Field(None, min_length=1, description="environment variable that "
+                                "holds the key (plain, or its sha256: digest)")
+    key_file: str | None = Field(None, min_length=1, description="file that holds the key "
+                                 "(plain, or its sha256: digest; surrounding whitespace "
+                                 "ignored)")
+    _digest: str = PrivateAttr("")
+
+    @field_validator("key")
+    @classmethod
+    def _is_digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v.strip().lower()):
+            # Never echo the value: it may be a plain key pasted by mistake.
+            raise ValueError("must be a digest, sha256:<64 hex digits> (print one with "
+                             "`prefix-gateway hash-key`); a plain key belongs in key_env or "
+                             "key_file, never in the configuration")
+        return v.strip().lower() if v else v
+
+    @model_validator(mode="after")
+    def _resolve(self) -> KeySource:
+        given = [n for n in ("key", "key_env", "key_file") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of key (a sha256: digest), key_env or key_file")
+        if self.key is not None:
+            self._digest = self.key
+            return self
+        if self.key_env is not None:
+            raw = os.environ.get(self.key_env)
+            if not raw or not raw.strip():
+                raise ValueError(f"environment variable {self.key_env} is not set or empty")
+        else:
+            try:
+                raw = Path(str(self.key_file)).read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read key_file {self.key_file}: {exc.strerror}") \
+                    from None
+            if not raw.strip():
+                raise ValueError(f"key_file {self.key_file} is empty")
+        raw = raw.strip()
+        self._digest = raw.lower() if _DIGEST.match(raw.lower()) else key_digest(raw)
+        return self
+
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+
+class RateLimitConfig(_Strict):
+    """Budgets per minute (a sliding window); None: no limit of that kind."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="prompt tokens (estimated) plus max_tokens, charged when the "
+        "request is admitted")
+
+
+class ClientKeyConfig(KeySource):
+    """A client API key: who it is, which traffic classes it may use, its limits."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$",
+                      description="shown in logs and metrics instead of the key")
+    classes: list[str] | None = Field(
+        None, min_length=1, description="traffic classes the key may use (None: all)")
+    default_class: str | None = Field(
+        None, description="its class when the request names none (None: "
+        "classification.default_class if allowed, else the first of `classes`)")
+    priority: int | None = Field(None, description="priority within its class, unless a "
+                                 "priority header says otherwise")
+    limits: RateLimitConfig | None = None
+
+
+class NamedKeyConfig(KeySource):
+    """An admin or metrics key."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$")
+
+
+class AuthConfig(_Strict):
+    """Who may call the gateway (docs/security.md)."""
+
+    api_keys: list[ClientKeyConfig] = Field(
+        default_factory=list, description="client keys for /v1/*; none: /v1 is open")
+    admin_keys: list[NamedKeyConfig] = Field(
+        default_factory=list, description="keys for /admin, /admin/stats; none: /admin is "
+        "open only while api_keys is empty too, else refused")
+    metrics_keys: list[NamedKeyConfig] = Field(
+        default_factory=list, description="bearer tokens for /metrics (an admin key works "
+        "too); none: /metrics is open")
+    allow_unauthenticated: bool = Field(
+        False, description="allow server.host to be a non-loopback address without api_keys")
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        for where, keys in (("api_keys", self.api_keys), ("admin_keys", self.admin_keys),
+                            ("metrics_keys", self.metrics_keys)):
+            names = [k.name for k in keys]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"auth.{where}: names must be unique: {dupes}")
+        digests = [k.digest for k in (*self.api_keys, *self.admin_keys, *self.metrics_keys)]
+        if len(set(digests)) != len(digests):
+            raise ValueError("auth: the same key is given twice (as two client keys, or as a "
+                             "client key and an admin or metrics key); give each its own")
+        return self
+
+
+class RateLimitsConfig(_Strict):
+    """Rate limits per traffic class (per key: in auth.api_keys[].limits)."""
+
+    classes: dict[str, RateLimitConfig] = Field(
+        default_factory=dict, description="traffic class -> its budget, all clients together")
+    default_max_tokens: int = Field(
+        256, ge=0, description="output tokens charged for a request that sets no max_tokens")
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    rate_limits: RateLimitsConfig = Field(default_factory=RateLimitsConfig)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     pools: list[PoolConfig] = Field(min_length=1)
     traffic_classes: list[TrafficClassConfig] = Field(min_length=1)
@@ -330,7 +474,48 @@ class GatewayConfig(_Strict):
         if self.batch.traffic_class is not None and self.batch.traffic_class not in known:
             raise ValueError(f"batch.traffic_class {self.batch.traffic_class!r} is not a "
                              f"traffic class; classes are {sorted(known)}")
+        self._check_auth(known)
         return self
+
+    def _check_auth(self, known: set[str]) -> None:
+        for key in self.auth.api_keys:
+            where = f"auth.api_keys[{key.name!r}]"
+            for c in [*(key.classes or ()), *([key.default_class] if key.default_class else [])]:
+                if c not in known:
+                    raise ValueError(f"{where} names unknown traffic class {c!r}; classes are "
+                                     f"{sorted(known)}")
+            if key.default_class and key.classes and key.default_class not in key.classes:
+                raise ValueError(f"{where}: default_class {key.default_class!r} is not among "
+                                 f"its classes {key.classes}")
+        for c in self.rate_limits.classes:
+            if c not in known:
+                raise ValueError(f"rate_limits.classes names unknown traffic class {c!r}; "
+                                 f"classes are {sorted(known)}")
+        cl = self.classification
+        if self.auth.api_keys and (cl.api_keys or cl.priority_api_keys):
+            # Those maps hold plain keys; with auth, each key's class and priority live in its
+            # auth.api_keys entry, where only its digest is written.
+            raise ValueError("classification.api_keys and priority_api_keys cannot be used with "
+                             "auth.api_keys: give each key its default_class and priority there")
+        problem = self.exposure_problem()
+        if problem:
+            raise ValueError(problem)
+
+    def exposure_problem(self) -> str | None:
+        """Why the gateway must not serve as configured: a non-loopback address with no client
+        keys, unless the operator said so explicitly. None: fine."""
+        host = self.server.host.strip("[]")
+        if host in LOOPBACK_HOSTS or self.auth.api_keys or self.auth.allow_unauthenticated:
+            return None
+        return (f"server.host {self.server.host!r} is not a loopback address and auth.api_keys "
+                "is empty: anyone who reaches it could use every pool. Add client keys "
+                "(auth.api_keys), bind 127.0.0.1, or set auth.allow_unauthenticated: true "
+                "(serve --allow-unauthenticated) to run open on purpose")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether /v1 asks for a client key."""
+        return bool(self.auth.api_keys)
 
     def _check_borrowing(self) -> None:
         pools = {p.name: p for p in self.pools}

@@ -25,6 +25,7 @@ from gateway.errors import (
 )
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.outcome import Finished, Outcome
+from gateway.ratelimit import RateLimited
 from gateway.relay import (
     ReadFailure,
     StreamBody,
@@ -97,6 +98,9 @@ class RequestCore:
         self.explain_headers = cfg.explain_headers
         self.internal_stream = cfg.non_streaming_ttft
         self.admission = state.admission
+        self.limiter = state.limiter
+        self.pass_client_key = frozenset(p.name for p in state.config.pools
+                                         if p.pass_client_key)
         self.gates = state.admission.classes
         """Traffic classes under admission control (empty when none is configured)."""
 
@@ -109,8 +113,25 @@ class RequestCore:
         awaiting is paid again each time the request waits on the network.)
         """
         link = link or ClientLink()
+        # Requests whose class their caller fixed (the batch runner's lines) are paced by their
+        # runner, not by rate limits.
+        limited = self.limiter.active and request.traffic_class is None
         try:
             call = self._prepare(request)
+        except GatewayError as err:
+            if err.code == "traffic_class_not_allowed":
+                self.state.observer.auth_rejected("inference", "none", "forbidden")
+            return error_reply(err)
+        if limited:
+            try:
+                await self.limiter.charge(request.client, call.traffic_class, request.payload,
+                                          len(request.body))
+            except RateLimited as err:
+                self.state.observer.auth_rejected("inference", call.traffic_class,
+                                                  "rate_limited")
+                self._unrouted(call, "429")
+                return error_reply(err, err.headers)
+        try:
             if call.routing is None:
                 await self._hash_engine_tokens(call)
         except GatewayError as err:
@@ -183,8 +204,10 @@ class RequestCore:
                     candidates.append(name)
             obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
                                   perf_counter() - request.received_at))
-            return error_reply(upstream_failed(pool.name, last_error or
-                                               "no healthy replica left to try"))
+            # The detail names replicas and their addresses: for the log, not the client.
+            log.warning("502 to the client: every replica tried in pool %s failed: %s",
+                        pool.name, last_error or "no healthy replica left to try")
+            return error_reply(upstream_failed(pool.name))
         finally:
             if grant is not None and not handed_over:
                 grant.release()
@@ -194,8 +217,9 @@ class RequestCore:
         fetched after, by `_hash_engine_tokens`) and build what the replica gets."""
         state = self.state
         payload, headers = request.payload, request.headers
+        client = request.client
         cls = request.traffic_class or state.classifier.classify(
-            headers, payload.get("service_tier"))
+            headers, payload.get("service_tier"), client)
         pool = state.pool_for_class[cls]
         model = request.model
         if model not in pool.models:
@@ -229,7 +253,8 @@ class RequestCore:
         priority = request.priority
         if priority is None:
             classifier = state.classifier
-            priority = classifier.priority(headers) if classifier.sets_priority else 0
+            priority = classifier.priority(headers, client) if classifier.sets_priority or (
+                client is not None and client.priority is not None) else 0
         return _Call(request, pool, cls, routing, body, fwd,
                      auth.decode("latin-1") if auth else None, assemble, priority)
 
@@ -263,7 +288,10 @@ class RequestCore:
         attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
                           call.request.received_at, self.state.observer, call.assemble)
         headers = call.headers
-        auth = replica.auth or call.client_auth
+        # The pool's (or replica's) own credentials, and only to it; the client's key only to a
+        # pool configured to receive it.
+        auth = replica.auth or (call.client_auth if pool.name in self.pass_client_key
+                                else None)
         if auth:
             headers = {**headers, "Authorization": auth}
         url = replica.base_url + call.request.path
@@ -309,7 +337,8 @@ class RequestCore:
                 attempt.end(Outcome.TRY_ANOTHER)
                 return _Failure(detail)
             attempt.end(Outcome.FAILED)
-            return error_reply(upstream_failed(pool.name, detail))
+            log.warning("502 to the client: %s/%s", pool.name, detail)
+            return error_reply(upstream_failed(pool.name))
         finally:
             if not streamed:  # a stream releases its response when it ends
                 link.upstream = None

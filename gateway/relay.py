@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import orjson
@@ -11,6 +12,8 @@ from gateway.attempt import Attempt
 from gateway.exchange import JSON_HEADERS, SSE_HEADERS, ClientLink, Reply
 from gateway.outcome import Outcome
 from gateway.sse import assemble
+
+log = logging.getLogger("prefix_gateway.relay")
 
 
 class ReadFailure(Exception):
@@ -98,9 +101,12 @@ class StreamBody:
                 self._finish(Outcome.CLIENT_GONE)
                 raise StopAsyncIteration from None
             self._finish(Outcome.FAILED)
+            # What failed, and where, is for the log: an upstream message may name its host.
+            log.warning("stream from %s/%s failed mid-way: %s", self._attempt.pool.name,
+                        self._attempt.replica.name, exc)
             return b"data: " + orjson.dumps({"error": {
-                "message": f"replica {self._attempt.replica.name} failed mid-stream: "
-                           f"{str(exc).split(':', 1)[0]}",
+                "message": f"replica {self._attempt.replica.name} failed mid-stream; retry "
+                           "the request",
                 "type": "upstream_error", "param": None, "code": "upstream_failed"}}) + b"\n\n"
         self._attempt.observe(chunk)
         return chunk

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException
 
+from gateway.auth import CLIENT_SCOPE, class_not_allowed
 from gateway.batch.redis_link import UNAVAILABLE
 from gateway.batch.service import BatchService
 from gateway.batch.shapes import batch_object
@@ -206,6 +207,10 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
         s = svc()
+        client = request.scope.get(CLIENT_SCOPE)
+        if client is not None and s.runner.traffic_class not in client.classes:
+            # Batch lines run as the batch class: a key without it may not start them.
+            raise class_not_allowed(s.runner.traffic_class, client.classes, "the Batch API")
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
