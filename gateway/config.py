@@ -497,13 +497,11 @@ class GatewayConfig(_Strict):
             # auth.api_keys entry, where only its digest is written.
             raise ValueError("classification.api_keys and priority_api_keys cannot be used with "
                              "auth.api_keys: give each key its default_class and priority there")
-        problem = self.exposure_problem()
-        if problem:
-            raise ValueError(problem)
 
     def exposure_problem(self) -> str | None:
         """Why the gateway must not serve as configured: a non-loopback address with no client
-        keys, unless the operator said so explicitly. None: fine."""
+        keys, unless the operator said so explicitly. None: fine. (Checked where it serves,
+        after command-line overrides of the host, not when the file is read.)"""
         host = self.server.host.strip("[]")
         if host in LOOPBACK_HOSTS or self.auth.api_keys or self.auth.allow_unauthenticated:
             return None
