@@ -176,7 +176,9 @@ def _surface(path: str) -> str | None:
     p = path.lower()
     if p == "/v1" or p.startswith("/v1/"):
         return "inference" if p.rstrip("/") in _INFERENCE else "api"
-    if p == "/admin" or p.startswith("/admin/"):
+    if p.rstrip("/") == "/admin":
+        return None  # the stats page: static, no data; it asks for the key /admin/stats needs
+    if p.startswith("/admin/"):
         return "admin"
     if p == "/metrics" or p.startswith("/metrics/"):
         return "metrics"
