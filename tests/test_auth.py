@@ -215,3 +215,79 @@ async def test_a_502_names_no_replica_address_and_stats_hide_url_credentials() -
         shown = (await gw.stats())["pools"][0]["replicas"][0]["url"]
         assert "s3cret" not in shown and "gw-user" not in shown
         assert shown == "http://***@rt-0.internal.test:8000"
+
+
+# Configuration ------------------------------------------------------------------------------
+
+
+def parse(config: dict[str, Any]):
+    from gateway.config import parse_config
+
+    return parse_config(config)
+
+
+def test_keys_are_digests_and_a_plain_key_is_refused_without_being_echoed() -> None:
+    from gateway.config import ConfigError
+
+    config = with_auth()
+    config["auth"]["api_keys"][0]["key"] = "sk-live-plain-secret"
+    with pytest.raises(ConfigError) as info:
+        parse(config)
+    assert "sha256:<64 hex digits>" in str(info.value) and "hash-key" in str(info.value)
+    assert "sk-live-plain-secret" not in str(info.value)
+
+
+def test_a_key_may_come_from_the_environment_or_a_file(tmp_path, monkeypatch) -> None:
+    from gateway.auth import Authenticator
+    from gateway.config import ConfigError
+
+    monkeypatch.setenv("GW_TEST_KEY", "sk-from-env\n")
+    (tmp_path / "key").write_text(key_digest("sk-from-file") + "\n")  # a digest works too
+    config = with_auth()
+    config["auth"]["api_keys"] = [{"name": "env", "key_env": "GW_TEST_KEY"},
+                                  {"name": "file", "key_file": str(tmp_path / "key")}]
+    auth = Authenticator(parse(config))
+    assert auth.client({b"authorization": b"Bearer sk-from-env"}).name == "env"
+    assert auth.client({b"authorization": b"bearer sk-from-file"}).name == "file"
+    monkeypatch.delenv("GW_TEST_KEY")
+    with pytest.raises(ConfigError, match="GW_TEST_KEY is not set"):
+        parse(config)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: a["api_keys"][0].update(classes=["nope"]), "unknown traffic class 'nope'"),
+    (lambda a: a["api_keys"][0].update(default_class="batch"), "not among its classes"),
+    (lambda a: a["api_keys"][1].update(key=a["api_keys"][0]["key"]), "the same key"),
+    (lambda a: a["admin_keys"].append({"name": "x", "key": key_digest(ALL)}), "the same key"),
+    (lambda a: a["api_keys"][1].update(name="rt"), "names must be unique"),
+    (lambda a: a["api_keys"][0].update(key_env="X"), "exactly one of"),
+])
+def test_auth_mistakes_are_config_errors(change, message) -> None:
+    from gateway.config import ConfigError
+
+    config = with_auth()
+    change(config["auth"])
+    with pytest.raises(ConfigError, match=message):
+        parse(config)
+
+
+def test_plain_classification_keys_are_refused_with_auth() -> None:
+    from gateway.config import ConfigError
+
+    config = with_auth()
+    config["classification"]["api_keys"] = {"sk-plain": "batch"}
+    with pytest.raises(ConfigError, match="cannot be used with auth.api_keys"):
+        parse(config)
+
+
+def test_a_public_address_needs_client_keys_or_an_explicit_opt_out() -> None:
+    config = two_pools(realtime=1, batch=1)
+    config["server"] = {"host": "0.0.0.0"}
+    problem = parse(config).exposure_problem()
+    assert problem and "allow_unauthenticated" in problem
+    config["auth"] = {"allow_unauthenticated": True}
+    assert parse(config).exposure_problem() is None
+    assert parse(with_auth({**two_pools(1, 1), "server": {"host": "0.0.0.0"}})) \
+        .exposure_problem() is None
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert parse({**two_pools(1, 1), "server": {"host": host}}).exposure_problem() is None
