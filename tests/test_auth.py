@@ -276,7 +276,7 @@ def test_plain_classification_keys_are_refused_with_auth() -> None:
 
     config = with_auth()
     config["classification"]["api_keys"] = {"sk-plain": "batch"}
-    with pytest.raises(ConfigError, match="cannot be used with auth.api_keys"):
+    with pytest.raises(ConfigError, match=r"cannot be used with auth\.api_keys"):
         parse(config)
 
 
