@@ -152,6 +152,9 @@ class GatewayApp:
     async def _allowed(self, surface: str, scope, send) -> bool:
         """Check the caller's key for `surface`; False: refused (the answer is sent)."""
         auth = self.state.auth
+        if not (auth.admin_required if surface == "admin" else auth.metrics_required
+                if surface == "metrics" else auth.client_required):
+            return True  # an open gateway pays nothing per request
         headers = dict(scope["headers"])
         try:
             if surface == "admin":
