@@ -11,6 +11,7 @@ from gateway.errors import bad_request
 
 # An integer as a person writes it; int() alone would also take "1_000" and thousands of digits.
 _INTEGER = re.compile(rb"\s*[+-]?[0-9]{1,18}\s*")
+_UNSPECIFIC_TIERS = frozenset(("auto", "default"))
 
 
 class Classifier:
@@ -55,10 +56,13 @@ class Classifier:
         if client is not None:
             if isinstance(service_tier, str) and service_tier in self.service_tier:
                 name = self.service_tier[service_tier]
-                if name not in client.classes:
+                if name in client.classes:
+                    return name
+                # "auto" and "default" ask for nothing in particular (SDKs send them unasked):
+                # the key's own default serves them. A named tier is a request: refused.
+                if service_tier not in _UNSPECIFIC_TIERS:
                     raise class_not_allowed(name, client.classes,
                                             f"service_tier {service_tier!r}")
-                return name
             return client.default_class
         if self.api_keys:
             auth = headers.get(b"authorization", b"")

@@ -78,7 +78,9 @@ async def test_no_key_or_a_wrong_key_is_401_in_openai_shape() -> None:
 
 
 async def test_a_key_chooses_only_among_its_classes() -> None:
-    async with gateway(with_auth()) as gw:
+    config = two_pools(realtime=1, batch=1)
+    config["classification"]["service_tier"].update(auto="realtime", default="realtime")
+    async with gateway(with_auth(config)) as gw:
         msgs = [{"role": "user", "content": "hi"}]
         # Its own default: the batch-only key lands on the batch pool without asking.
         r = await gw.openai(api_key=BT).chat.completions.with_raw_response.create(
@@ -94,6 +96,11 @@ async def test_a_key_chooses_only_among_its_classes() -> None:
         with pytest.raises(openai.PermissionDeniedError):
             await gw.openai(api_key=RT).completions.create(
                 model="tiny", prompt="x", max_tokens=2, extra_body={"service_tier": "flex"})
+        # "auto" and "default" name no class: the key's own default serves them.
+        for tier in ("auto", "default"):
+            r = await gw.openai(api_key=BT).completions.with_raw_response.create(
+                model="tiny", prompt="x", max_tokens=2, extra_body={"service_tier": tier})
+            assert r.headers["x-gateway-pool"] == "batch"
         # A key with both classes chooses with the header or service_tier.
         both = gw.openai(api_key=ALL)
         r = await both.completions.with_raw_response.create(
