@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -55,29 +56,82 @@ def redis_banner(config: GatewayConfig) -> str:
 
 
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
-                log_level: str = "info") -> None:
-    """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully)."""
+                log_level: str = "info", banner: str | None = None) -> None:
+    """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully).
+
+    The socket is bound first, so a port in use fails here (OSError) before anything claims
+    to serve; `banner` ("serving on ...") is printed once the server has started on it.
+    """
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.httpserver import ServerLimits, descriptor_cap, protocol_class
 
     problem = config.exposure_problem()
     if problem:  # every command that serves passes here
         raise ConfigError(problem)
+    server = config.server
+    sock = bind_socket(server.host, server.port)
+    limits = ServerLimits(
+        max_header_bytes=server.max_header_bytes, max_headers=server.max_headers,
+        header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+        keepalive_timeout_s=server.keepalive_timeout_s,
+        max_connections=descriptor_cap(server.max_connections))
     app = create_app(config)
     server_cfg = uvicorn.Config(
         app,
-        host=config.server.host,
-        port=config.server.port,
-        # Measured faster than asyncio + h11 (docs/benchmarks.md).
+        # Measured faster than asyncio + h11 (docs/benchmarks.md); httptools, bounded.
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(limits),
+        ws="none",
         access_log=access_log,
         log_level=log_level,
-        timeout_keep_alive=75,
+        timeout_keep_alive=int(server.keepalive_timeout_s) + 1,
         lifespan="on",
     )
-    uvicorn.Server(server_cfg).run()
+    ignore_sighup()
+    try:
+        _server(server_cfg, banner).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; OSError (with the address) if it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _ignored_sighup(_signum: int, _frame: object) -> None:
+    log.warning("SIGHUP received and ignored: the gateway does not reload its configuration; "
+                "restart it to apply a changed file")
+
+
+def ignore_sighup() -> None:
+    """SIGHUP (a closed terminal, or a reload request) must never kill the gateway."""
+    signal.signal(signal.SIGHUP, _ignored_sighup)
+
+
+def _server(config, banner: str | None):
+    """uvicorn's Server, printing `banner` only once it is listening."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and banner:
+                print(banner, flush=True)
+
+    return Server(config)
 
 
 def up_auth(args: argparse.Namespace) -> dict | None:
@@ -156,7 +210,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.server.port = args.port
     print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
-    run_gateway(config, access_log=args.access_log, log_level=args.log_level)
+    try:
+        run_gateway(config, access_log=args.access_log, log_level=args.log_level,
+                    banner=f"prefix-gateway: serving on http://{config.server.host}:"
+                           f"{config.server.port}")
+    except OSError as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -212,11 +272,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                                     auth=auth)
             print(f"prefix-gateway: {len(urls)} vLLM CPU replicas up; logs in {log_dir}",
                   flush=True)
-        print(f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model {args.model!r}; "
-              "pools realtime and batch; header x-traffic-class: batch for batch)", flush=True)
         print(auth_banner(config), flush=True)
         print(redis_banner(config), flush=True)
-        run_gateway(config, access_log=args.access_log, log_level=args.log_level)
+        run_gateway(config, access_log=args.access_log, log_level=args.log_level,
+                    banner=f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model "
+                           f"{args.model!r}; pools realtime and batch; header x-traffic-class: "
+                           "batch for batch)")
     except (RuntimeError, OSError, ValueError, ConfigError) as exc:
         print(f"prefix-gateway up: {exc}", file=sys.stderr)
         return 1

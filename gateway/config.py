@@ -264,6 +264,33 @@ class ServerConfig(_Strict):
     )
     expose_docs: bool = Field(
         False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")
+    # Limits on what clients send and hold (gateway/httpserver.py enforces them).
+    max_header_bytes: int = Field(
+        16384, ge=1024, le=1024 * 1024, description="request line and headers together; "
+        "larger ones get 431"
+    )
+    max_headers: int = Field(100, ge=8, le=10000, description="request headers; more get 431")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="longest time from a new connection, or a request's "
+        "first byte, to the end of its headers; then 408 and the connection is closed"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="longest silence while a request body arrives (a "
+        "body shorter than its Content-Length ends here); then 408"
+    )
+    keepalive_timeout_s: float = Field(
+        75.0, gt=0, le=3600, description="an idle kept-alive client connection is closed after "
+        "this long"
+    )
+    max_connections: int = Field(
+        4096, ge=16, description="client connections open at once (lowered to what the "
+        "process's file descriptor limit allows); a new one beyond it closes the connection "
+        "that has waited longest without being answered, or gets 503 if all are being answered"
+    )
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="largest non-streaming response body the "
+        "gateway buffers from a replica; a larger one ends the request with 502"
+    )
 
 
 class RedisConfig(_Strict):
