@@ -31,6 +31,9 @@ from routing.policies import (
 
 EngineKind = Literal["vllm", "trtllm"]
 
+# RFC 9110 field-name: a token.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
 
 class _Strict(BaseModel):
     # A misspelt key is an error, not silently ignored: "polcy: round_robin" must not route
@@ -118,11 +121,15 @@ class RoutingSettings(BaseModel):
         return RoutingSettings.model_validate({**router, "policy": policy, **kept})
 
 
+# Below this, probing and scraping every replica would keep a core busy for nothing.
+MIN_INTERVAL_S = 0.05
+
+
 class HealthSettings(_Strict):
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
+    interval_s: float = Field(2.0, ge=MIN_INTERVAL_S, le=3600)
+    timeout_s: float = Field(2.0, gt=0, le=3600)
     failure_threshold: int = Field(2, ge=1)
-    metrics_interval_s: float = Field(5.0, gt=0)
+    metrics_interval_s: float = Field(5.0, ge=MIN_INTERVAL_S, le=3600)
     hit_ratio_window_s: float = Field(60.0, gt=0)
 
 
@@ -131,6 +138,19 @@ class ReplicaConfig(_Strict):
     url: AnyHttpUrl
     models: list[str] | None = None
     api_key: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, v: AnyHttpUrl) -> AnyHttpUrl:
+        # Credentials in a URL end up in logs, stats and error messages; a query or fragment
+        # would be glued in front of every request path.
+        if v.username or v.password:
+            raise ValueError("must not carry credentials (user:password@); put the replica's "
+                             "key in api_key (of the replica or its pool) instead")
+        if v.query or v.fragment:
+            raise ValueError("must not have a query (?...) or fragment (#...): requests go to "
+                             "this URL followed by the API path")
+        return v
 
     @property
     def base_url(self) -> str:
@@ -224,11 +244,19 @@ class ClassificationConfig(_Strict):
 
     @field_validator("header", "priority_header")
     @classmethod
-    def _lower(cls, v: str | None) -> str | None:
+    def _header_name(cls, v: str | None) -> str | None:
+        if v and not _HEADER_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid HTTP header name (letters, digits and "
+                             "!#$%&'*+-.^_`|~ only; no spaces or colons), so no request "
+                             "could ever carry it")
+        # Header names are case-insensitive; the server hands them over in lowercase.
         return v.lower() if v else v
 
     @model_validator(mode="after")
     def _priority_range(self) -> ClassificationConfig:
+        if self.header and self.header == self.priority_header:
+            raise ValueError(f"header and priority_header are the same header "
+                             f"({self.header!r}): one names a class, the other a number")
         if self.priority_min > self.priority_max:
             raise ValueError(f"priority_min ({self.priority_min}) is above priority_max "
                              f"({self.priority_max})")
@@ -323,8 +351,9 @@ class BatchConfig(_Strict):
     max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, le=512 * 1024 * 1024,
                                 description="largest file upload")
     max_lines: int = Field(50_000, ge=1, description="most requests in one batch input file")
-    poll_interval_s: float = Field(1.0, gt=0, le=60, description="how often a gateway looks "
-                                   "for batches to work on and renews its leases")
+    poll_interval_s: float = Field(1.0, ge=MIN_INTERVAL_S, le=60, description="how often a "
+                                   "gateway looks for batches to work on and renews its "
+                                   "leases")
 
 
 # Authentication, authorisation and rate limits (docs/security.md) --------------------------
@@ -479,6 +508,7 @@ class GatewayConfig(_Strict):
         dupes = sorted({n for n in replicas if replicas.count(n) > 1})
         if dupes:
             raise ValueError(f"replica names must be unique across pools (metrics label): {dupes}")
+        self._check_replica_urls()
         classes = [c.name for c in self.traffic_classes]
         if len(set(classes)) != len(classes):
             raise ValueError(f"traffic class names must be unique: {classes}")
@@ -541,6 +571,19 @@ class GatewayConfig(_Strict):
     def authenticated(self) -> bool:
         """Whether /v1 asks for a client key."""
         return bool(self.auth.api_keys)
+    def _check_replica_urls(self) -> None:
+        # One engine behind two replica entries would be routed to as two: its load and its
+        # cached prefixes split in halves that each look half as busy.
+        seen: dict[str, str] = {}
+        for i, pool in enumerate(self.pools):
+            for j, r in enumerate(pool.replicas):
+                where = f"pools[{i}].replicas[{j}] ({pool.name}/{r.name})"
+                first = seen.setdefault(r.base_url.lower(), where)
+                if first != where:
+                    raise ValueError(f"{where} has the same url as {first}: {r.base_url}; "
+                                     "each engine replica must be listed once (to share it "
+                                     "between traffic classes, send them to the same pool or "
+                                     "let one borrow the other's)")
 
     def _check_borrowing(self) -> None:
         pools = {p.name: p for p in self.pools}
@@ -665,6 +708,25 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the
+    last silently, so an operator's first setting would be ignored)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, list | dict):
+                continue  # unhashable: the schema rejects it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and validate a YAML config file; errors name the key, its path and line."""
     p = Path(path)
@@ -673,7 +735,7 @@ def load_config(path: str | Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: constructs plain data only
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
