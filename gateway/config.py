@@ -221,6 +221,11 @@ class TrafficClassConfig(_Strict):
         0, description="rank among the classes that wait for the same pool (higher first)"
     )
     admission: AdmissionConfig | None = None
+    max_tokens: int | None = Field(
+        None, ge=1, le=2**31 - 1, description="the most tokens a request of the class may ask "
+        "for (max_tokens or max_completion_tokens); above, 400 max_tokens_too_large; a request "
+        "that asks for none gets this as its max_tokens. None: no cap"
+    )
 
 
 class ClassificationConfig(_Strict):

@@ -25,6 +25,7 @@ from gateway.errors import (
 )
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.outcome import Finished, Outcome
+from gateway.parse import cap_tokens
 from gateway.ratelimit import RateLimited
 from gateway.relay import (
     ReadFailure,
@@ -78,6 +79,16 @@ def _hash_chars(request: InferenceRequest, pool: Pool, cls: str) -> RoutingReque
     return pool.router.request_from_text(text, cls)
 
 
+def _serialise(payload: dict) -> bytes:
+    """The payload as the replica gets it, once the gateway changed it."""
+    try:
+        return orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        # orjson parses 1,024 levels but writes only 254.
+        raise bad_request("The request body is nested too deeply (at most 254 levels "
+                          "of arrays and objects).", code="nested_too_deep") from None
+
+
 def error_reply(err: GatewayError, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
     body = err.body()
     return Reply(err.status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
@@ -94,9 +105,13 @@ class RequestCore:
         # that goes silent for request_timeout_s is given up on.
         self.timeouts = Timeouts(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s)
         self.max_attempts = cfg.max_attempts
+        self.max_response = cfg.max_response_bytes
         self.route_headers = cfg.response_headers
         self.explain_headers = cfg.explain_headers
         self.internal_stream = cfg.non_streaming_ttft
+        self.token_caps = {c.name: c.max_tokens for c in state.config.traffic_classes
+                           if c.max_tokens is not None}
+        """Traffic class -> the most tokens one of its requests may ask for."""
         self.admission = state.admission
         self.limiter = state.limiter
         self.pass_client_key = frozenset(p.name for p in state.config.pools
@@ -228,22 +243,21 @@ class RequestCore:
                     f"traffic class {cls!r}." if others else
                     f" Available models: {state.models}.")
             raise model_not_found(model, hint)
+        capped = False
+        cap = self.token_caps.get(cls)
+        if cap is not None:
+            capped = cap_tokens(payload, cap, cls)
         routing = None
         if not pool.hashes_engine_tokens:
             routing = _hash_chars(request, pool, cls)
-        body = request.body
+        body = _serialise(payload) if capped else request.body
         assemble = False
         if not request.stream and self.internal_stream:
             payload["stream"] = True
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                          "include_usage": True}
-            try:
-                body = orjson.dumps(payload)
-            except orjson.JSONEncodeError:
-                # orjson parses 1,024 levels but writes only 254.
-                raise bad_request("The request body is nested too deeply (at most 254 levels "
-                                  "of arrays and objects).", code="nested_too_deep") from None
+            body = _serialise(payload)
             assemble = True
         fwd = {"Content-Type": "application/json"}
         for h in _FORWARD_HEADERS:
@@ -321,14 +335,16 @@ class RequestCore:
         streamed = False
         try:
             if resp.status >= 400:
-                return await relay_error_status(resp, attempt, link, extra)
+                return await relay_error_status(resp, attempt, link, extra,
+                                                self.max_response)
             if call.request.stream:
                 reply = relay_stream(resp, attempt, link, extra)
                 streamed = True
                 return reply
             if call.assemble:
-                return await relay_assembled(resp, attempt, link, extra, call.request.chat)
-            return await relay_passthrough(resp, attempt, link, extra)
+                return await relay_assembled(resp, attempt, link, extra, call.request.chat,
+                                             self.max_response)
+            return await relay_passthrough(resp, attempt, link, extra, self.max_response)
         except ReadFailure as exc:
             # Nothing reached the client yet: another replica may still answer.
             detail = f"{name}: {exc.detail.split(':', 1)[0]} while reading the response"

@@ -207,7 +207,7 @@ async def test_a_deeply_nested_body_is_a_400_not_a_500(gw: Harness) -> None:
 
 async def test_replica_errors_pass_through(gw: Harness) -> None:
     # A request the engine itself rejects (its 4xx) reaches the client as the engine sent it.
-    body = {"model": "tiny", "prompt": "x", "max_tokens": -5}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 2}
     r = await gw.http.post("/v1/completions", json=body)
     direct = await gw.sims["rt-0"].handle("POST", "/v1/completions", {}, orjson.dumps(body))
     assert direct.status == 400
