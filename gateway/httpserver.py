@@ -112,7 +112,9 @@ class LimitedProtocol(HttpToolsProtocol):
             return
         cls = type(self)
         if cls._sweeper is None:
-            cls._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
+            # Bound to the class, not to this connection: it must not keep it alive.
+            cls._sweeper = self.loop.call_later(cls._sweep_interval(), cls._sweep,
+                                                self.connections, self.loop)
 
     def data_received(self, data: bytes) -> None:
         if self._phase <= HEAD:
@@ -230,22 +232,22 @@ class LimitedProtocol(HttpToolsProtocol):
                            "not arrive in time.", "connection_shed")
         return True
 
-    def _sweep_interval(self) -> float:
-        limits = self.limits
+    @classmethod
+    def _sweep_interval(cls) -> float:
+        limits = cls.limits
         shortest = min(limits.header_timeout_s, limits.body_timeout_s,
                        limits.keepalive_timeout_s)
         return min(1.0, max(0.05, shortest / 4))
 
-    def _sweep(self) -> None:
+    @classmethod
+    def _sweep(cls, conns: set[Any], loop: asyncio.AbstractEventLoop) -> None:
         """Close the connections past their phase's timeout; runs while any connection is
         open."""
-        cls = type(self)
-        conns = self.connections
         if not conns:
             cls._sweeper = None
             return
-        limits = self.limits
-        now = self.loop.time()
+        limits = cls.limits
+        now = loop.time()
         for conn in list(conns):
             phase = getattr(conn, "_phase", ACTIVE)
             if phase == ACTIVE:
@@ -264,4 +266,4 @@ class LimitedProtocol(HttpToolsProtocol):
             elif waited > limits.body_timeout_s:
                 conn._refuse(408, f"The request body stopped arriving for "
                              f"{limits.body_timeout_s:g} s before its end.", "request_timeout")
-        cls._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
+        cls._sweeper = loop.call_later(cls._sweep_interval(), cls._sweep, conns, loop)
