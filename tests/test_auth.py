@@ -209,19 +209,16 @@ async def test_a_pools_own_key_goes_to_it_and_a_passing_pool_gets_the_clients() 
     assert [h["authorization"] for h in seen_bt] == [f"Bearer {ALL}"]
 
 
-async def test_a_502_names_no_replica_address_and_stats_hide_url_credentials() -> None:
+async def test_a_502_names_no_replica_address() -> None:
+    # (Credentials in a replica URL are refused by the configuration: test_config_hardening.)
     config = two_pools(realtime=1, batch=1)
-    url = "http://gw-user:s3cret@rt-0.internal.test:8000"
-    config["pools"][0]["replicas"][0]["url"] = url
+    config["pools"][0]["replicas"][0]["url"] = "http://rt-0.internal.test:8000"
     async with gateway(config) as gw:
         gw.upstream.unmount(gw.urls["rt-0"])  # refused connections from now on
         r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
-        for secret in ("rt-0", "internal.test", "8000", "s3cret", "gw-user", "refused"):
+        for secret in ("rt-0", "internal.test", "8000", "refused"):
             assert secret not in r.text
-        shown = (await gw.stats())["pools"][0]["replicas"][0]["url"]
-        assert "s3cret" not in shown and "gw-user" not in shown
-        assert shown == "http://***@rt-0.internal.test:8000"
 
 
 # Configuration ------------------------------------------------------------------------------
