@@ -36,8 +36,8 @@ class Refused(GatewayError):
     """429: the class's queue is full, or the request waited its longest; retry later."""
 
     def __init__(self, message: str, code: str, retry_after: bytes) -> None:
-        super().__init__(429, message, type="rate_limit_error", code=code)
-        self.headers = [(b"retry-after", retry_after)]
+        super().__init__(429, message, type="rate_limit_error", code=code,
+                         headers=[(b"retry-after", retry_after)])
 
 
 class PoolGate:

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
-from gateway.auth import CLIENT_SCOPE, UNAUTHENTICATED_HEADERS
+from gateway.auth import CLIENT_SCOPE
 from gateway.batch import api as batch_api
 from gateway.batch.service import BatchService
 from gateway.config import GatewayConfig
@@ -167,8 +167,7 @@ class GatewayApp:
         except GatewayError as err:
             reason = "unauthenticated" if err.status == 401 else "forbidden"
             self.state.observer.auth_rejected(surface, "none", reason)
-            await send_reply(send, error_reply(
-                err, UNAUTHENTICATED_HEADERS if err.status == 401 else None))
+            await send_reply(send, error_reply(err))
             return False
 
 

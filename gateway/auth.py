@@ -36,12 +36,16 @@ def digest(token: bytes) -> str:
     return "sha256:" + hashlib.sha256(token).hexdigest()
 
 
+_UNAUTHENTICATED_HEADERS = ((b"www-authenticate", b'Bearer realm="prefix-gateway"'),)
+
+
 def unauthenticated(missing: bool) -> GatewayError:
     """401, worded like OpenAI's; the key itself is never echoed."""
     message = ("You didn't provide an API key. You need to provide your API key in an "
                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
                if missing else "Incorrect API key provided.")
-    return GatewayError(401, message, type="invalid_request_error", code="invalid_api_key")
+    return GatewayError(401, message, type="invalid_request_error", code="invalid_api_key",
+                        headers=_UNAUTHENTICATED_HEADERS)
 
 
 def class_not_allowed(cls: str, allowed: frozenset[str], source: str) -> GatewayError:
@@ -60,7 +64,6 @@ def admin_disabled() -> GatewayError:
 CLIENT_SCOPE = "prefix_gateway.client"
 """The ASGI scope key under which the HTTP edge leaves the authenticated ClientKey."""
 
-UNAUTHENTICATED_HEADERS = [(b"www-authenticate", b'Bearer realm="prefix-gateway"')]
 
 
 class Authenticator:

@@ -14,7 +14,6 @@ import orjson
 
 from backends.pool import Pool, ReplicaState
 from backends.upstream import ConnectFailed, ConnectionDropped, Timeouts, UpstreamResponse
-from gateway.admission import Refused
 from gateway.attempt import Attempt
 from gateway.errors import (
     GatewayError,
@@ -89,10 +88,10 @@ def _serialise(payload: dict) -> bytes:
                           "of arrays and objects).", code="nested_too_deep") from None
 
 
-def error_reply(err: GatewayError, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
+def error_reply(err: GatewayError) -> Reply:
     body = err.body()
     return Reply(err.status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
-                              *(extra or ())], body)
+                              *err.headers], body)
 
 
 class RequestCore:
@@ -145,7 +144,7 @@ class RequestCore:
                 self.state.observer.auth_rejected("inference", call.traffic_class,
                                                   "rate_limited")
                 self._unrouted(call, "429")
-                return error_reply(err, err.headers)
+                return error_reply(err)
         try:
             if call.routing is None:
                 await self._hash_engine_tokens(call)
@@ -164,7 +163,7 @@ class RequestCore:
                     grant = await self.admission.wait(gate, request.model, call.priority, link)
                 except GatewayError as err:
                     self._unrouted(call, str(err.status))
-                    return error_reply(err, err.headers if isinstance(err, Refused) else None)
+                    return error_reply(err)
                 if grant is None:  # the client left while queued
                     self._unrouted(call, "499")
                     return Reply(499, [], b"")

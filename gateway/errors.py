@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 
 
@@ -16,8 +18,11 @@ class GatewayError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         super().__init__(message)
+        self.headers = headers
+        """Sent with the error (Retry-After on a 429, WWW-Authenticate on a 401)."""
         self.status = status
         self.message = message
         self.type = type

@@ -51,8 +51,8 @@ class RateLimited(GatewayError):
     """429 with Retry-After: a key's or a class's budget for this minute is spent."""
 
     def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(429, message, type="rate_limit_error", code="rate_limit_exceeded")
-        self.headers = [(b"retry-after", str(retry_after).encode())]
+        super().__init__(429, message, type="rate_limit_error", code="rate_limit_exceeded",
+                         headers=[(b"retry-after", str(retry_after).encode())])
 
 
 def rate_limited(budget: Budget, wait: float, who: str) -> RateLimited:

@@ -51,7 +51,8 @@ def not_found(kind: str, ident: str, param: str | None = None) -> GatewayError:
 
 
 def _error_response(err: GatewayError) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json")
+    return Response(err.body(), status_code=err.status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in err.headers})
 
 
 def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
