@@ -130,6 +130,9 @@ class GatewayApp:
         # The Batch API runs only with Redis; without it its routes say how to turn it on.
         self.batch = BatchService(self.core) if config.redis is not None else None
         self.admin = build_admin(self.state, self.batch)
+        auth = self.state.auth
+        self.guarded = auth.client_required or auth.admin_required or auth.metrics_required
+        """Some route needs a key: an open gateway classifies no path per request."""
         limit = config.server.max_body_bytes
         self.fast = {
             "/v1/chat/completions": InferenceEndpoint(self.core, "/v1/chat/completions", True,
@@ -140,9 +143,10 @@ class GatewayApp:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            surface = _surface(path)
-            if surface is not None and not await self._allowed(surface, scope, send):
-                return
+            if self.guarded:
+                surface = _surface(path)
+                if surface is not None and not await self._allowed(surface, scope, send):
+                    return
             handler = self.fast.get(path.rstrip("/") or "/")
             if handler is not None:
                 await handler(scope, receive, send)
@@ -154,7 +158,7 @@ class GatewayApp:
         auth = self.state.auth
         if not (auth.admin_required if surface == "admin" else auth.metrics_required
                 if surface == "metrics" else auth.client_required):
-            return True  # an open gateway pays nothing per request
+            return True
         headers = dict(scope["headers"])
         try:
             if surface == "admin":

@@ -249,15 +249,15 @@ class RequestCore:
         routing = None
         if not pool.hashes_engine_tokens:
             routing = _hash_chars(request, pool, cls)
-        body = _serialise(payload) if capped else request.body
         assemble = False
         if not request.stream and self.internal_stream:
             payload["stream"] = True
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                          "include_usage": True}
-            body = _serialise(payload)
             assemble = True
+        # Written again only if changed, and once whatever changed it.
+        body = _serialise(payload) if capped or assemble else request.body
         fwd = {"Content-Type": "application/json"}
         for h in _FORWARD_HEADERS:
             if h in headers:

@@ -167,16 +167,13 @@ class RateLimiter:
     def __init__(self, config: GatewayConfig) -> None:
         self.classes: dict[str, RateLimitConfig] = dict(config.rate_limits.classes)
         self.default_max_tokens = config.rate_limits.default_max_tokens
-        self.any_key_limits = any(k.limits for k in config.auth.api_keys)
+        self.active = bool(self.classes) or any(k.limits for k in config.auth.api_keys)
+        """Some budget is configured (else no request is charged)."""
         self.memory = MemoryCounter()
         self.redis: RedisCounter | None = None
         if config.redis is not None and self.active:
             self.redis = RedisCounter(config.redis.url, config.redis.key_prefix,
                                       config.redis.timeout_s)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.classes) or self.any_key_limits
 
     def budgets(self, client: ClientKey | None, cls: str,
                 tokens: int) -> list[tuple[Budget, str]]:
@@ -207,11 +204,9 @@ class RateLimiter:
     async def charge(self, client: ClientKey | None, cls: str, payload: dict,
                      body_bytes: int) -> None:
         """Charge the request, or raise a 429 GatewayError (with Retry-After)."""
-        pairs = self.budgets(client, cls, 0)
+        pairs = self.budgets(client, cls, self.tokens(payload, body_bytes))
         if not pairs:
             return
-        if any(b.name.endswith(":tokens") for b, _ in pairs):
-            pairs = self.budgets(client, cls, self.tokens(payload, body_bytes))
         budgets = [b for b, _ in pairs]
         result = None
         if self.redis is not None:
