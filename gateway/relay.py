@@ -39,7 +39,7 @@ async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: Cli
     explains what is wrong with the request); anything else is answered in OpenAI's error
     shape with the replica's status, its body only logged: an engine's 5xx body or a proxy's
     HTML page is no use to the client and may name internal hosts."""
-    reply = await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra], limit)
+    reply = await _relay_whole(resp, attempt, link, extra, limit)
     if reply.status != resp.status or (resp.status < 500 and _json_object(resp, reply.body)):
         # Passed through, or the client left (499), or the body was too large (502).
         return reply
@@ -65,7 +65,7 @@ async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: Clie
                             extra: list[tuple[bytes, bytes]],
                             limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
     """A non-streaming answer, relayed whole and untouched."""
-    return await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra], limit)
+    return await _relay_whole(resp, attempt, link, extra, limit)
 
 
 async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
@@ -174,16 +174,16 @@ class StreamBody:
 
 
 async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                       headers: list[tuple[bytes, bytes]], limit: int) -> Reply:
-    """The body read whole (at most `limit` bytes) and relayed as it is, with `headers` and
-    its length."""
+                       extra: list[tuple[bytes, bytes]], limit: int) -> Reply:
+    """The body read whole (at most `limit` bytes) and relayed as it is, as JSON with `extra`
+    headers and its length."""
     chunks: list[bytes] = []
     size = 0
     try:
         async for chunk in resp.chunks():
             size += len(chunk)
             if size > limit:
-                return _too_large(resp, attempt, headers[len(JSON_HEADERS):], limit)
+                return _too_large(resp, attempt, extra, limit)
             chunks.append(chunk)
     except ReadFailed as exc:
         if not link.gone:
@@ -191,4 +191,4 @@ async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
         chunks = []
     data = b"".join(chunks)
     attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
-    return Reply(resp.status, [*headers, _length(data)], data)
+    return Reply(resp.status, [*JSON_HEADERS, *extra, _length(data)], data)
