@@ -124,6 +124,17 @@ class GatewayMetrics:
         self.redis_up = GaugeFamily(
             "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
             "(absent without a redis section).", ())
+        # Faults: tries that failed before the client got anything, and passive ejection.
+        self.tries_failed = CounterFamily(
+            "gateway_tries_failed", "Tries that failed before anything reached the client, by "
+            "reason (connect, status: 502/503/504, read: the response broke or was garbage, "
+            "first_byte_timeout, stalled); each is tried on another replica while attempts "
+            "remain (see gateway_retries).", ("pool", "replica", "reason"))
+        self.ejections = CounterFamily(
+            "gateway_replica_ejections", "Replicas taken out of rotation by live traffic, by "
+            "reason: broken (a connection broke, or 503), consecutive_failures (5xx, "
+            "timeouts in a row), stalled (streams decoding there, no byte for stall_s).",
+            ("pool", "replica", "reason"))
         self.registry.register(FamilyCollector(self.families()))
 
     def families(self) -> list[Family]:
