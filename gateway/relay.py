@@ -44,15 +44,25 @@ async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: Client
                           extra: list[tuple[bytes, bytes]], chat: bool) -> Reply:
     """A non-streaming request the gateway streamed from the replica (to time it): the JSON
     response is rebuilt from the stream's events."""
+    last = b""
     try:
         async for chunk in resp.chunks():
             attempt.observe(chunk)
+            last = chunk
     except ReadFailed as exc:
         if link.gone:
             attempt.end(Outcome.CLIENT_GONE)
             return Reply(499, [], b"")
         raise ReadFailure(str(exc), not exc.timed_out) from None
     watcher = attempt.watcher
+    if watcher.first_token_at is None:
+        # Nothing generated: a replica that broke (an error event, a stream cut short, not
+        # SSE at all) is tried elsewhere; a stream the engine ended with [DONE] is an answer.
+        if watcher.error is not None:
+            raise ReadFailure("StreamError: the replica sent an error event before any "
+                              f"content: {_error_text(watcher.error)}")
+        if b"[DONE]" not in last:
+            raise ReadFailure("EmptyStream: the stream ended before any content")
     if watcher.error is not None:
         body, status, outcome = orjson.dumps(watcher.error), 502, Outcome.FAILED
     else:
