@@ -100,8 +100,13 @@ class HealthMonitor:
         for r in pool.replicas.values():
             if not r.decoding or not r.healthy:
                 continue
-            step = pool.load.steps.step_s(r.name) or 0.0
-            limit = max(ejection.stall_s, 20 * step)
+            load = pool.load
+            limit = max(ejection.stall_s, 20 * (load.steps.step_s(r.name) or 0.0))
+            pending, rate = load.pending_prefill.get(r.name, 0.0), load.steps.rate
+            if pending and rate > 0:
+                # A long prefill may hold the engine's steps (and so every stream there) for
+                # as long as it takes: that silence is work, not a stall.
+                limit += pending / rate
             silent = now - r.last_chunk_at
             if silent < limit:
                 continue
