@@ -165,3 +165,54 @@ def test_a_frozen_replica_leaves_rotation_and_new_requests_are_served(fleet) -> 
         for t in threads:
             t.join(timeout=60)
     assert failures == []
+
+
+@pytest.mark.parametrize("mode", ["html", "malformed_sse"])
+def test_a_replica_answering_garbage_costs_no_request_and_is_ejected(fleet, mode: str) -> None:
+    gw, sims = fleet
+    assert httpx.post(sims.urls[0] + "/sim/garbage", json={"mode": mode}).status_code == 200
+    c = client(gw)
+    served = set()
+    for i in range(12):
+        stream = i % 2 == 0
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"question {i} " * 30}],
+            max_tokens=3, stream=stream)
+        if stream:
+            text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
+        else:
+            text = raw.parse().choices[0].message.content
+        assert text  # a whole answer, whichever replica was tried first
+        served.add(raw.headers["x-gateway-replica"])
+    assert served == {"r1"}
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'gateway_tries_failed_total{pool="rt",reason="read",replica="r0"}' in metrics
+    # Garbage in a row is an outlier, although the replica's health checks pass.
+    assert ('gateway_replica_ejections_total{pool="rt",reason="consecutive_failures",'
+            'replica="r0"} 1.0') in metrics
+
+
+def test_a_replica_too_slow_for_first_byte_s_is_left_for_one_that_answers(tmp_path) -> None:
+    # r0 is 200 times slower than r1: its first token takes far longer than first_byte_s.
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "fast").mkdir()
+    slow = start_sims(["vllm"], tmp_path / "slow", time_scale=200.0, profile="vllm-cpu-tiny")
+    fast = start_sims(["vllm"], tmp_path / "fast", time_scale=0.02, profile="vllm-cpu-tiny")
+    try:
+        cfg = config([*slow.urls, *fast.urls], processes.free_ports(1)[0],
+                     timeouts={"first_byte_s": 1.0})
+        gw = start_gateway(cfg, tmp_path)
+        try:
+            c = client(gw)
+            for i in range(8):
+                raw = c.completions.with_raw_response.create(
+                    model="tiny", prompt=f"prompt {i} " * 40, max_tokens=2, stream=i % 2 == 0)
+                assert raw.headers["x-gateway-replica"] == "r1"
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert ('gateway_tries_failed_total{pool="rt",reason="first_byte_timeout",'
+                    'replica="r0"}') in metrics
+        finally:
+            gw.stop()
+    finally:
+        slow.stop()
+        fast.stop()
