@@ -126,6 +126,8 @@ async def test_a_client_that_leaves_aborts_the_engine_request(
         # gateway must drop the request while still waiting for the response's headers.
         await eventually(lambda: _aborted_since(slow_replica, before, 3))
         await eventually(lambda: _inflight(app) == 0)
+        gc.collect()
+        assert _live(Attempt) == 0 and _live(aiohttp.ClientResponse) <= 2
 
 
 async def _aborted_since(replica: str, before: int, n: int) -> bool:
