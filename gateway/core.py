@@ -7,6 +7,7 @@ that holds a parsed request, such as a batch runner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -41,6 +42,7 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
+_NO_TIMER = contextlib.nullcontext(None)
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
 
 
@@ -286,7 +288,9 @@ class RequestCore:
         resp: UpstreamResponse | None = None
         streamed = False
         try:
-            async with asyncio.timeout(timeouts.first_byte) as timer:
+            # No timer at all without a first_byte_s: the context costs on every request.
+            async with (_NO_TIMER if timeouts.first_byte is None
+                        else asyncio.timeout(timeouts.first_byte)) as timer:
                 attempt.hold(timer, task)
                 link.interrupt(attempt.client_left)
                 try:
