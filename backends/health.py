@@ -36,13 +36,13 @@ class HealthMonitor:
 
     A replica leaves rotation after `failure_threshold` failed probes in a row, at once when a
     request to it fails to connect or its connection breaks, after `ejection.
-    consecutive_failures` failed requests in a row (5xx, timeouts), or when it stalls (streams
-    decoding there, no byte for `ejection.stall_s`). It returns on its first successful probe,
-    but not before its ejection has lasted `ejection.base_s`, doubled for each ejection in a
-    row (up to `max_s`). Replicas whose
-    probes only timed out stay as a last resort: when a pool has no healthy replica left, they
-    still take traffic (as Envoy's panic mode does), because a gateway starved of CPU must not
-    declare a whole working pool dead.
+    consecutive_failures` failed requests in a row (5xx, timeouts), or when it stalls (no byte
+    for `ejection.stall_s` while streams that had content wait for it). It returns on its
+    first successful probe, but not before its ejection has lasted `ejection.base_s`,
+    doubled for each ejection in a row (up to `max_s`). Replicas whose probes only timed out
+    stay as a last resort: when a pool has no healthy replica left, they still take traffic
+    (as Envoy's panic mode does), because a gateway starved of CPU must not declare a whole
+    working pool dead.
     """
 
     def __init__(self, pools: list[Pool], upstream: Upstream, listener: HealthListener) -> None:
@@ -94,11 +94,12 @@ class HealthMonitor:
             self.check_stalls(pool, time.perf_counter())
 
     def check_stalls(self, pool: Pool, now: float) -> None:
-        """Eject the replicas of `pool` that stopped streaming while they have streams to
-        send; try their waiting requests elsewhere."""
+        """Eject the replicas of `pool` that stopped streaming while the gateway waits to
+        read streams that already had content from them; try their waiting requests
+        elsewhere."""
         ejection = pool.spec.ejection
         for r in pool.replicas.values():
-            if not r.decoding or not r.healthy:
+            if not r.reads or not r.healthy:
                 continue
             load = pool.load
             limit = max(ejection.stall_s, 20 * (load.steps.step_s(r.name) or 0.0))
@@ -107,11 +108,11 @@ class HealthMonitor:
                 # A long prefill may hold the engine's steps (and so every stream there) for
                 # as long as it takes: that silence is work, not a stall.
                 limit += pending / rate
-            silent = now - r.last_chunk_at
+            silent = now - max(r.last_chunk_at, r.reads_since)
             if silent < limit:
                 continue
             self._eject(pool, r, f"stalled: no byte for {silent:.1f} s with "
-                        f"{r.decoding} stream(s) decoding", "stalled")
+                        f"{r.reads} stream(s) waiting", "stalled")
             for attempt in list(r.holding):
                 attempt.interrupt("stalled")
 

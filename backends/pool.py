@@ -44,7 +44,8 @@ class Ejection:
     """The first ejection's length; each ejection soon after another lasts twice as long."""
     max_s: float = 30.0
     stall_s: float = 1.0
-    """A replica with streams decoding that sends no byte for this long (or for 20 of its
+    """A replica that sends no byte for this long, while the gateway waits to read streams
+    that already had content from it (or for 20 of its
     recent engine steps, if longer) is stalled: ejected, and its requests that have sent
     nothing to their client yet are tried elsewhere. 0: no stall watch."""
 
@@ -101,8 +102,12 @@ class ReplicaState:
         """time.monotonic() before which probes may not bring the replica back."""
         self.last_chunk_at = 0.0
         """When the replica last sent a streamed chunk (perf_counter)."""
-        self.decoding = 0
-        """Requests in flight there that have received content: it should be streaming."""
+        self.reads = 0
+        """Reads waiting now for the next chunk of a response that already sent content
+        (the replica should be streaming it). A stream whose client reads slowly is not
+        read either, so its silence never counts as the replica's."""
+        self.reads_since = 0.0
+        """When `reads` last rose from 0 (perf_counter)."""
         self.holding: set[Any] = set()
         """Tries in flight there that have sent nothing to their client yet (each with an
         `interrupt(why)`): what a stall fails over."""

@@ -60,7 +60,6 @@ class Attempt:
         self.replica.last_chunk_at = now
         if not self.saw_first and self.watcher.first_token_at is not None:
             self.saw_first = True
-            self.replica.decoding += 1
             router.first_token(self.decision, now, self.sent_at)
             if self._timer is not None:  # first_byte_s bounds the wait for content only
                 self._timer.reschedule(None)
@@ -106,8 +105,6 @@ class Attempt:
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
         self.replica.holding.discard(self)
-        if self.saw_first:
-            self.replica.decoding -= 1
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:

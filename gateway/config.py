@@ -164,8 +164,9 @@ class EjectionConfig(_Strict):
                           "each one soon after another lasts twice as long")
     max_s: float = Field(30.0, ge=0.05, le=86400, description="the longest ejection")
     stall_s: float = Field(
-        1.0, ge=0, description="a replica with streams decoding that sends no byte for this "
-        "long (or 20 of its recent engine steps, if longer) is ejected, and its requests "
+        1.0, ge=0, description="a replica that sends no byte for this long (or 20 of its "
+        "recent engine steps, if longer) while the gateway waits to read streams that had "
+        "content from it is ejected, and its requests "
         "that sent nothing to their client yet are tried elsewhere; 0: off")
 
     @model_validator(mode="after")

@@ -133,7 +133,8 @@ class GatewayMetrics:
         self.ejections = CounterFamily(
             "gateway_replica_ejections", "Replicas taken out of rotation by live traffic, by "
             "reason: broken (a connection broke, or 503), consecutive_failures (5xx, "
-            "timeouts in a row), stalled (streams decoding there, no byte for stall_s).",
+            "timeouts in a row), stalled (no byte for stall_s while streams that had content "
+            "wait).",
             ("pool", "replica", "reason"))
         self.registry.register(FamilyCollector(self.families()))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from time import perf_counter
 
 import orjson
 
@@ -45,8 +46,23 @@ async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: Client
     """A non-streaming request the gateway streamed from the replica (to time it): the JSON
     response is rebuilt from the stream's events."""
     last = b""
+    replica = attempt.replica
+    chunks = resp.chunks()
     try:
-        async for chunk in resp.chunks():
+        while True:
+            # After the first content, a wait for the next chunk is one the stall watch sees.
+            waiting = attempt.saw_first
+            if waiting:
+                if not replica.reads:
+                    replica.reads_since = perf_counter()
+                replica.reads += 1
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            finally:
+                if waiting:
+                    replica.reads -= 1
             attempt.observe(chunk)
             last = chunk
     except ReadFailed as exc:
@@ -151,6 +167,11 @@ class StreamBody:
         if self._held:
             held, self._held = self._held, b""
             return held
+        # A wait the stall watch sees (this stream had content: its replica should send).
+        replica = self._attempt.replica
+        if not replica.reads:
+            replica.reads_since = perf_counter()
+        replica.reads += 1
         try:
             chunk = await anext(self._chunks)
         except StopAsyncIteration:
@@ -167,6 +188,8 @@ class StreamBody:
             return b"data: " + orjson.dumps({"error": {
                 "message": f"replica {self._attempt.replica.name} failed mid-stream: {why}",
                 "type": "upstream_error", "param": None, "code": "upstream_failed"}}) + b"\n\n"
+        finally:
+            replica.reads -= 1
         self._attempt.observe(chunk)
         return chunk
 

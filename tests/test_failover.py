@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from time import perf_counter
 from typing import Any
 
 import orjson
@@ -226,6 +227,12 @@ async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere
         home = dict(first.headers)[b"x-gateway-replica"].decode()
         other = ({"rt-0", "rt-1"} - {home}).pop()
         assert b"t0" in await anext(first.body)  # it is streaming from its home
+
+        async def read_on() -> None:  # as its client does
+            async for _ in first.body:
+                pass
+
+        reader = asyncio.create_task(read_on())
         frozen_flags[home].set()
         # Same prompt, same home: this one waits there for content that never comes, until
         # the stall watch sees the home silent with a stream decoding and fails it over.
@@ -240,6 +247,7 @@ async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere
                    "stalled" and s.labels["replica"] == home and s.value == 1 for s in samples)
         assert any(s.name == "gateway_tries_failed_total" and s.labels["reason"] == "stalled"
                    and s.value == 1 for s in samples)
+        reader.cancel()
         await first.body.aclose()
 
 
@@ -328,3 +336,22 @@ def test_bad_timeouts_and_ejection_settings_are_rejected(key: str, value: dict,
     cfg["pools"][0][key] = value
     with pytest.raises(ConfigError, match=message):
         parse_config(cfg)
+
+
+async def test_only_a_wait_for_the_replica_counts_as_its_silence() -> None:
+    async with gateway(config(ejection={"stall_s": 0.5})) as gw:
+        pool = gw.app.state.pools[0]
+        r0 = pool.replicas["rt-0"]
+        monitor = gw.app.state.monitor
+        now = perf_counter()
+        r0.last_chunk_at = now - 60  # silent for a minute...
+        monitor.check_stalls(pool, now)
+        # ...but nothing waited for it (a stream whose client reads slowly is not read).
+        assert r0.healthy
+        r0.reads, r0.reads_since = 1, now - 0.2  # a read waiting for 0.2 s: not yet
+        monitor.check_stalls(pool, now)
+        assert r0.healthy
+        r0.reads_since = now - 0.6
+        monitor.check_stalls(pool, now)
+        assert not r0.healthy and "stalled" in r0.last_error
+        r0.reads = 0
