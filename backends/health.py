@@ -50,6 +50,8 @@ class HealthMonitor:
         self.upstream = upstream
         self.listener = listener
         self._tasks: list[asyncio.Task[None]] = []
+        self._reported: dict[tuple[str, str], bool] = {}
+        """(pool, replica) -> the health state last logged, so each change is logged once."""
 
     async def check_all(self) -> None:
         """One round of probes and scrapes for every replica, concurrently."""
@@ -142,12 +144,11 @@ class HealthMonitor:
         self.mark_failed(pool, r, error)
 
     async def probe(self, pool: Pool, r: ReplicaState) -> None:
-        outcome = await pool.adapter.probe(self.upstream, r.base_url, pool.health.timeout_s)
+        outcome, why = await pool.adapter.check(self.upstream, r.base_url,
+                                                pool.health.timeout_s)
         if outcome is Probe.OK and r.ejected_until > time.monotonic():
             return  # still ejected: live traffic saw it fail more recently than this probe
         if outcome is Probe.OK:
-            if not r.healthy:
-                log.info("replica %s/%s is up", pool.name, r.name)
             r.live_failures = 0
             r.healthy = True
             r.suspect = False
@@ -161,10 +162,21 @@ class HealthMonitor:
             r.last_error = (f"health check {pool.adapter.health_path} "
                             f"{'timed out' if r.suspect else 'failed'}")
             if r.failures >= pool.health.failure_threshold:
-                if r.healthy:
-                    log.warning("replica %s/%s is down: %s", pool.name, r.name, r.last_error)
                 r.healthy = False
+        self._log_change(pool, r, f"{r.last_error}: {why}" if why else r.last_error)
         self.listener.replica_up(pool.name, r.name, r.healthy)
+
+    def _log_change(self, pool: Pool, r: ReplicaState, why: str) -> None:
+        """Log the replica's health when it differs from what was last logged (its first
+        probe included: a replica unreachable from the start is logged too), with the reason."""
+        key = (pool.name, r.name)
+        if self._reported.get(key) is r.healthy:
+            return
+        self._reported[key] = r.healthy
+        if r.healthy:
+            log.info("replica %s/%s (%s) is up", pool.name, r.name, r.base_url)
+        else:
+            log.warning("replica %s/%s (%s) is down: %s", pool.name, r.name, r.base_url, why)
 
     async def scrape(self, pool: Pool, r: ReplicaState) -> None:
         snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
@@ -179,10 +191,9 @@ class HealthMonitor:
     def mark_failed(self, pool: Pool, r: ReplicaState, error: str,
                     suspect: bool = False) -> None:
         """A request could not reach the replica: take it out of rotation until a probe passes."""
-        if r.healthy:
-            log.warning("replica %s/%s is down: %s", pool.name, r.name, error)
         r.healthy = False
         r.suspect = suspect
         r.failures = max(r.failures, pool.health.failure_threshold)
         r.last_error = error
+        self._log_change(pool, r, error)
         self.listener.replica_up(pool.name, r.name, False)

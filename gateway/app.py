@@ -14,11 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
+from gateway.auth import CLIENT_SCOPE, UNAUTHENTICATED_HEADERS
 from gateway.batch import api as batch_api
 from gateway.batch.service import BatchService
 from gateway.config import GatewayConfig
-from gateway.core import RequestCore
-from gateway.edge import InferenceEndpoint
+from gateway.core import RequestCore, error_reply
+from gateway.edge import InferenceEndpoint, send_reply
+from gateway.errors import GatewayError
 from gateway.state import GatewayState
 
 _STATIC = Path(__file__).parent / "static"
@@ -50,12 +52,19 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
                 await batch.stop()
             await state.stop()
 
-    app = FastAPI(title="prefix-gateway", version=__version__, lifespan=lifespan)
+    # The interactive docs and the schema describe the whole surface, admin included: off
+    # unless asked for (server.expose_docs).
+    docs = state.config.server.expose_docs
+    app = FastAPI(title="prefix-gateway", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
+    not_found = ("Not found: see /docs for the gateway's routes." if docs else
+                 "Not found: the gateway serves /v1/chat/completions, /v1/completions, "
+                 "/v1/models, the Batch API and /health.")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        msg = "Not found: see /docs for the gateway's routes." if exc.status_code == 404 \
-            else str(exc.detail)
+        msg = not_found if exc.status_code == 404 else str(exc.detail)
         return _error(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
 
     @app.exception_handler(RequestValidationError)
@@ -130,11 +139,56 @@ class GatewayApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            handler = self.fast.get(scope["path"].rstrip("/") or "/")
+            path = scope["path"]
+            surface = _surface(path)
+            if surface is not None and not await self._allowed(surface, scope, send):
+                return
+            handler = self.fast.get(path.rstrip("/") or "/")
             if handler is not None:
                 await handler(scope, receive, send)
                 return
         await self.admin(scope, receive, send)
+
+    async def _allowed(self, surface: str, scope, send) -> bool:
+        """Check the caller's key for `surface`; False: refused (the answer is sent)."""
+        auth = self.state.auth
+        if not (auth.admin_required if surface == "admin" else auth.metrics_required
+                if surface == "metrics" else auth.client_required):
+            return True  # an open gateway pays nothing per request
+        headers = dict(scope["headers"])
+        try:
+            if surface == "admin":
+                auth.admin(headers)
+            elif surface == "metrics":
+                auth.metrics_reader(headers)
+            else:
+                scope[CLIENT_SCOPE] = auth.client(headers)
+            return True
+        except GatewayError as err:
+            reason = "unauthenticated" if err.status == 401 else "forbidden"
+            self.state.observer.auth_rejected(surface, "none", reason)
+            await send_reply(send, error_reply(
+                err, UNAUTHENTICATED_HEADERS if err.status == 401 else None))
+            return False
+
+
+def _surface(path: str) -> str | None:
+    """Which keys a path needs: inference and api (client keys), admin, metrics; None: open
+    (/health, /ready, and what FastAPI answers 404). Case-folded, so that no spelling of a
+    guarded path slips through to a router that might match it."""
+    p = path.lower()
+    if p == "/v1" or p.startswith("/v1/"):
+        return "inference" if p.rstrip("/") in _INFERENCE else "api"
+    if p.rstrip("/") == "/admin":
+        return None  # the stats page: static, no data; it asks for the key /admin/stats needs
+    if p.startswith("/admin/"):
+        return "admin"
+    if p == "/metrics" or p.startswith("/metrics/"):
+        return "metrics"
+    return None
+
+
+_INFERENCE = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
 def create_app(config: GatewayConfig) -> GatewayApp:

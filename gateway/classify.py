@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 
+from gateway.auth import ClientKey, class_not_allowed
 from gateway.config import ClassificationConfig
 from gateway.errors import bad_request
 
 # An integer as a person writes it; int() alone would also take "1_000" and thousands of digits.
 _INTEGER = re.compile(rb"\s*[+-]?[0-9]{1,18}\s*")
+_UNSPECIFIC_TIERS = frozenset(("auto", "default"))
 
 
 class Classifier:
@@ -17,6 +19,9 @@ class Classifier:
 
     An explicit header naming an unknown class is an error rather than a silent fallback: a
     batch job that misspells its class must not land on the realtime pool.
+
+    With an authenticated client key, the header and `service_tier` only choose among the
+    key's classes (another one is a 403), and the key's own default replaces the rest.
     """
 
     def __init__(self, config: ClassificationConfig, classes: set[str]) -> None:
@@ -33,7 +38,8 @@ class Classifier:
         self.sets_priority = self.priority_header is not None or bool(self.priority_keys)
         """False: every request has priority 0 (nothing to read)."""
 
-    def classify(self, headers: dict[bytes, bytes], service_tier: object) -> str:
+    def classify(self, headers: dict[bytes, bytes], service_tier: object,
+                 client: ClientKey | None = None) -> str:
         if self.header is not None:
             value = headers.get(self.header)
             if value:
@@ -43,7 +49,21 @@ class Classifier:
                         f"Unknown traffic class {name!r} in header "
                         f"{self.header.decode()}; known classes: {sorted(self.classes)}.",
                         code="unknown_traffic_class")
+                if client is not None and name not in client.classes:
+                    raise class_not_allowed(name, client.classes,
+                                            f"header {self.header.decode()}")
                 return name
+        if client is not None:
+            if isinstance(service_tier, str) and service_tier in self.service_tier:
+                name = self.service_tier[service_tier]
+                if name in client.classes:
+                    return name
+                # "auto" and "default" ask for nothing in particular (SDKs send them unasked):
+                # the key's own default serves them. A named tier is a request: refused.
+                if service_tier not in _UNSPECIFIC_TIERS:
+                    raise class_not_allowed(name, client.classes,
+                                            f"service_tier {service_tier!r}")
+            return client.default_class
         if self.api_keys:
             auth = headers.get(b"authorization", b"")
             if auth[:7].lower() == b"bearer ":
@@ -54,11 +74,13 @@ class Classifier:
             return self.service_tier[service_tier]
         return self.default
 
-    def priority(self, headers: dict[bytes, bytes]) -> int:
+    def priority(self, headers: dict[bytes, bytes], client: ClientKey | None = None) -> int:
         """The request's priority within its class: its priority header (clamped to the
         configured range) if it sends one, else its API key's, else 0."""
         priority = 0
-        if self.priority_keys:
+        if client is not None and client.priority is not None:
+            priority = min(max(client.priority, self.priority_min), self.priority_max)
+        elif self.priority_keys:
             auth = headers.get(b"authorization", b"")
             if auth[:7].lower() == b"bearer ":
                 priority = self.priority_keys.get(auth[7:].strip(), 0)

@@ -1,4 +1,4 @@
-"""The `prefix-gateway` command: serve, up, sim, stats."""
+"""The `prefix-gateway` command: serve, up, sim, stats, hash-key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
 log = logging.getLogger("prefix_gateway")
 
 REDIS_ENV = "PREFIX_GATEWAY_REDIS_URL"
+API_KEY_ENV = "PREFIX_GATEWAY_API_KEY"
+ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
 
 
 def redis_url(args: argparse.Namespace) -> str | None:
@@ -53,26 +56,133 @@ def redis_banner(config: GatewayConfig) -> str:
 
 
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
-                log_level: str = "info") -> None:
-    """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully)."""
+                log_level: str = "info", banner: str | None = None) -> None:
+    """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully).
+
+    The socket is bound first, so a port in use fails here (OSError) before anything claims
+    to serve; `banner` ("serving on ...") is printed once the server has started on it.
+    """
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.httpserver import ServerLimits, descriptor_cap, protocol_class
 
+    problem = config.exposure_problem()
+    if problem:  # every command that serves passes here
+        raise ConfigError(problem)
+    server = config.server
+    sock = bind_socket(server.host, server.port)
+    limits = ServerLimits(
+        max_header_bytes=server.max_header_bytes, max_headers=server.max_headers,
+        header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+        keepalive_timeout_s=server.keepalive_timeout_s,
+        max_connections=descriptor_cap(server.max_connections))
     app = create_app(config)
     server_cfg = uvicorn.Config(
         app,
-        host=config.server.host,
-        port=config.server.port,
-        # Measured faster than asyncio + h11 (docs/benchmarks.md).
+        # Measured faster than asyncio + h11 (docs/benchmarks.md); httptools, bounded.
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(limits),
+        ws="none",
         access_log=access_log,
         log_level=log_level,
-        timeout_keep_alive=75,
+        timeout_keep_alive=int(server.keepalive_timeout_s) + 1,
         lifespan="on",
     )
-    uvicorn.Server(server_cfg).run()
+    ignore_sighup()
+    try:
+        _server(server_cfg, banner).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; OSError (with the address) if it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _ignored_sighup(_signum: int, _frame: object) -> None:
+    log.warning("SIGHUP received and ignored: the gateway does not reload its configuration; "
+                "restart it to apply a changed file")
+
+
+def ignore_sighup() -> None:
+    """SIGHUP (a closed terminal, or a reload request) must never kill the gateway."""
+    signal.signal(signal.SIGHUP, _ignored_sighup)
+
+
+def _server(config, banner: str | None):
+    """uvicorn's Server, printing `banner` only once it is listening."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and banner:
+                print(banner, flush=True)
+
+    return Server(config)
+
+
+def up_auth(args: argparse.Namespace) -> dict | None:
+    """The auth section `up` runs with: --api-key / --admin-key (or their environment
+    variables), hashed at once; None without either."""
+    from gateway.config import key_digest
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    if api_key is None and admin_key is None:
+        return None
+    auth: dict = {}
+    if api_key:
+        auth["api_keys"] = [{"name": "client", "key": key_digest(api_key.strip())}]
+    if admin_key:
+        auth["admin_keys"] = [{"name": "admin", "key": key_digest(admin_key.strip())}]
+    return auth
+
+
+def auth_banner(config: GatewayConfig) -> str:
+    auth = config.auth
+    if not auth.api_keys:
+        return ("prefix-gateway: UNAUTHENTICATED: anyone who can reach "
+                f"{config.server.host}:{config.server.port} may use every pool and the admin "
+                f"API; give client keys with --api-key KEY (or {API_KEY_ENV}) and an admin key "
+                f"with --admin-key KEY (or {ADMIN_KEY_ENV}), or auth.api_keys in a config file")
+    admin = (f"{len(auth.admin_keys)} admin key(s)" if auth.admin_keys
+             else "no admin key: /admin is refused")
+    metrics = f"{len(auth.metrics_keys)} metrics key(s)" if auth.metrics_keys \
+        else "/metrics open"
+    return f"prefix-gateway: {len(auth.api_keys)} client key(s), {admin}, {metrics}"
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    from gateway.config import key_digest
+
+    key = args.key
+    if key is None:
+        # From stdin by default: a key on the command line lands in the shell's history.
+        if sys.stdin.isatty():
+            import getpass
+
+            key = getpass.getpass("key: ")
+        else:
+            key = sys.stdin.read()
+    key = key.strip()
+    if not key:
+        print("prefix-gateway hash-key: empty key", file=sys.stderr)
+        return 2
+    print(key_digest(key))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -81,6 +191,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 2
+    if args.host:
+        config.server.host = args.host
+    if args.allow_unauthenticated:
+        config.auth.allow_unauthenticated = True
+    problem = config.exposure_problem()
+    if problem:
+        print(f"prefix-gateway: refusing to serve: {problem}", file=sys.stderr)
+        return 2
     if args.check:
         pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas)"
                           for p in config.pools)
@@ -88,12 +206,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"Batch API on (Redis {shown_url(config.redis.url)})" if config.redis
             else "Batch API off (no Redis)"))
         return 0
-    if args.host:
-        config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
-    run_gateway(config, access_log=args.access_log, log_level=args.log_level)
+    try:
+        run_gateway(config, access_log=args.access_log, log_level=args.log_level,
+                    banner=f"prefix-gateway: serving on http://{config.server.host}:"
+                           f"{config.server.port}")
+    except OSError as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -107,6 +230,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     n_rt, n_bt = args.realtime_replicas, args.batch_replicas
     url = redis_url(args)
+    auth = up_auth(args)
     batch = {k: v for k, v in (("concurrency", args.batch_concurrency),
                                ("lease_s", args.batch_lease_s)) if v is not None}
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default disposition the
@@ -128,7 +252,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 procs.append(processes.spawn(cmd, str(log_dir / f"sim-{i}.log")))
             processes.wait_healthy(urls, procs, deadline_s=60)
             config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,
-                                    redis_url=url, batch=batch)
+                                    redis_url=url, batch=batch, auth=auth)
             print(f"prefix-gateway: {n_rt + n_bt} simulated replicas up ({args.profile}, time "
                   f"scale {args.time_scale}); logs in {log_dir}", flush=True)
         else:
@@ -144,13 +268,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             urls = [h.url for h in engines]
             # Both pools are vLLM here: trtllm-serve cannot run without an NVIDIA GPU.
             config = default_config(urls[:n_rt], urls[n_rt:], port=args.port, model=args.model,
-                                    batch_engine="vllm", redis_url=url, batch=batch)
+                                    batch_engine="vllm", redis_url=url, batch=batch,
+                                    auth=auth)
             print(f"prefix-gateway: {len(urls)} vLLM CPU replicas up; logs in {log_dir}",
                   flush=True)
-        print(f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model {args.model!r}; "
-              "pools realtime and batch; header x-traffic-class: batch for batch)", flush=True)
+        print(auth_banner(config), flush=True)
         print(redis_banner(config), flush=True)
-        run_gateway(config, access_log=args.access_log, log_level=args.log_level)
+        run_gateway(config, access_log=args.access_log, log_level=args.log_level,
+                    banner=f"prefix-gateway: serving on http://127.0.0.1:{args.port}  (model "
+                           f"{args.model!r}; pools realtime and batch; header x-traffic-class: "
+                           "batch for batch)")
     except (RuntimeError, OSError, ValueError, ConfigError) as exc:
         print(f"prefix-gateway up: {exc}", file=sys.stderr)
         return 1
@@ -167,8 +294,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from gateway.stats import render_table
 
     url = args.url.rstrip("/") + "/admin/stats"
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    headers = {"Authorization": f"Bearer {key.strip()}"} if key else {}
     try:
-        resp = httpx.get(url, timeout=args.timeout)
+        resp = httpx.get(url, timeout=args.timeout, headers=headers)
+        if resp.status_code in (401, 403):
+            message = resp.json().get("error", {}).get("message", "") if resp.headers.get(
+                "content-type", "").startswith("application/json") else ""
+            print(f"prefix-gateway stats: {url} refused: HTTP {resp.status_code}: {message} "
+                  f"(give the admin key with --admin-key or {ADMIN_KEY_ENV})", file=sys.stderr)
+            return 1
         resp.raise_for_status()
     except httpx.HTTPError as exc:
         print(f"prefix-gateway stats: cannot read {url}: {exc}", file=sys.stderr)
@@ -203,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="override server.host")
     p.add_argument("--port", type=int, help="override server.port")
     p.add_argument("--check", action="store_true", help="validate the file and exit")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback host without client keys (auth."
+                   "allow_unauthenticated): anyone who reaches it may use it")
     p.add_argument("--redis-url", help=f"Redis for the Batch API, overriding redis.url (also "
                    f"{REDIS_ENV})")
     common(p)
@@ -232,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lines of one batch the gateway runs at once (batch.concurrency)")
     p.add_argument("--batch-lease-s", type=float, default=None,
                    help="lease of a running batch line, renewed while it runs (batch.lease_s)")
+    p.add_argument("--api-key", help=f"the client API key /v1 requires (also {API_KEY_ENV}); "
+                   "without it the gateway is unauthenticated (it binds 127.0.0.1 only)")
+    p.add_argument("--admin-key", help=f"the key /admin and /admin/stats require (also "
+                   f"{ADMIN_KEY_ENV})")
     common(p)
     p.set_defaults(func=cmd_up)
 
@@ -239,7 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--admin-key", help=f"the gateway's admin key (also {ADMIN_KEY_ENV})")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("hash-key", help="print the sha256: digest of a key, for auth.*.key")
+    p.add_argument("key", nargs="?", help="the key (default: read from stdin, so that it "
+                   "stays out of the shell's history)")
+    p.set_defaults(func=cmd_hash_key)
 
     p = sub.add_parser("sim", help="run simulated engine replicas")
     try:

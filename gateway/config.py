@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -27,6 +31,9 @@ from routing.policies import (
 )
 
 EngineKind = Literal["vllm", "trtllm"]
+
+# RFC 9110 field-name: a token.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 class _Strict(BaseModel):
@@ -115,11 +122,15 @@ class RoutingSettings(BaseModel):
         return RoutingSettings.model_validate({**router, "policy": policy, **kept})
 
 
+# Below this, probing and scraping every replica would keep a core busy for nothing.
+MIN_INTERVAL_S = 0.05
+
+
 class HealthSettings(_Strict):
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
+    interval_s: float = Field(2.0, ge=MIN_INTERVAL_S, le=3600)
+    timeout_s: float = Field(2.0, gt=0, le=3600)
     failure_threshold: int = Field(2, ge=1)
-    metrics_interval_s: float = Field(5.0, gt=0)
+    metrics_interval_s: float = Field(5.0, ge=MIN_INTERVAL_S, le=3600)
     hit_ratio_window_s: float = Field(60.0, gt=0)
 
 
@@ -128,6 +139,19 @@ class ReplicaConfig(_Strict):
     url: AnyHttpUrl
     models: list[str] | None = None
     api_key: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, v: AnyHttpUrl) -> AnyHttpUrl:
+        # Credentials in a URL end up in logs, stats and error messages; a query or fragment
+        # would be glued in front of every request path.
+        if v.username or v.password:
+            raise ValueError("must not carry credentials (user:password@); put the replica's "
+                             "key in api_key (of the replica or its pool) instead")
+        if v.query or v.fragment:
+            raise ValueError("must not have a query (?...) or fragment (#...): requests go to "
+                             "this URL followed by the API path")
+        return v
 
     @property
     def base_url(self) -> str:
@@ -182,6 +206,10 @@ class PoolConfig(_Strict):
     models: list[str] = Field(min_length=1)
     replicas: list[ReplicaConfig] = Field(min_length=1)
     api_key: str | None = None
+    pass_client_key: bool = Field(
+        False, description="forward the client's own Authorization header to the pool's "
+        "replicas when neither the pool nor the replica has an api_key (off: client keys "
+        "never leave the gateway)")
     routing: RoutingSettings | None = None
     health: HealthSettings = Field(default_factory=HealthSettings)
     max_inflight_per_replica: int | None = Field(
@@ -247,6 +275,11 @@ class TrafficClassConfig(_Strict):
         0, description="rank among the classes that wait for the same pool (higher first)"
     )
     admission: AdmissionConfig | None = None
+    max_tokens: int | None = Field(
+        None, ge=1, le=2**31 - 1, description="the most tokens a request of the class may ask "
+        "for (max_tokens or max_completion_tokens); above, 400 max_tokens_too_large; a request "
+        "that asks for none gets this as its max_tokens. None: no cap"
+    )
 
 
 class ClassificationConfig(_Strict):
@@ -270,11 +303,19 @@ class ClassificationConfig(_Strict):
 
     @field_validator("header", "priority_header")
     @classmethod
-    def _lower(cls, v: str | None) -> str | None:
+    def _header_name(cls, v: str | None) -> str | None:
+        if v and not _HEADER_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid HTTP header name (letters, digits and "
+                             "!#$%&'*+-.^_`|~ only; no spaces or colons), so no request "
+                             "could ever carry it")
+        # Header names are case-insensitive; the server hands them over in lowercase.
         return v.lower() if v else v
 
     @model_validator(mode="after")
     def _priority_range(self) -> ClassificationConfig:
+        if self.header and self.header == self.priority_header:
+            raise ValueError(f"header and priority_header are the same header "
+                             f"({self.header!r}): one names a class, the other a number")
         if self.priority_min > self.priority_max:
             raise ValueError(f"priority_min ({self.priority_min}) is above priority_max "
                              f"({self.priority_max})")
@@ -308,6 +349,35 @@ class ServerConfig(_Strict):
         description="stream from the replica internally for non-streaming requests, to "
         "measure their TTFT; the client still gets one JSON response",
     )
+    expose_docs: bool = Field(
+        False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")
+    # Limits on what clients send and hold (gateway/httpserver.py enforces them).
+    max_header_bytes: int = Field(
+        16384, ge=1024, le=1024 * 1024, description="request line and headers together; "
+        "larger ones get 431"
+    )
+    max_headers: int = Field(100, ge=8, le=10000, description="request headers; more get 431")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="longest time from a new connection, or a request's "
+        "first byte, to the end of its headers; then 408 and the connection is closed"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="longest silence while a request body arrives (a "
+        "body shorter than its Content-Length ends here); then 408"
+    )
+    keepalive_timeout_s: float = Field(
+        75.0, gt=0, le=3600, description="an idle kept-alive client connection is closed after "
+        "this long"
+    )
+    max_connections: int = Field(
+        4096, ge=16, description="client connections open at once (lowered to what the "
+        "process's file descriptor limit allows); a new one beyond it closes the connection "
+        "that has waited longest without being answered, or gets 503 if all are being answered"
+    )
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="largest non-streaming response body the "
+        "gateway buffers from a replica; a larger one ends the request with 502"
+    )
 
 
 class RedisConfig(_Strict):
@@ -340,12 +410,147 @@ class BatchConfig(_Strict):
     max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, le=512 * 1024 * 1024,
                                 description="largest file upload")
     max_lines: int = Field(50_000, ge=1, description="most requests in one batch input file")
-    poll_interval_s: float = Field(1.0, gt=0, le=60, description="how often a gateway looks "
-                                   "for batches to work on and renews its leases")
+    poll_interval_s: float = Field(1.0, ge=MIN_INTERVAL_S, le=60, description="how often a "
+                                   "gateway looks for batches to work on and renews its "
+                                   "leases")
+
+
+# Authentication, authorisation and rate limits (docs/security.md) --------------------------
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+LOOPBACK_HOSTS = frozenset(("127.0.0.1", "::1", "localhost"))
+
+
+def key_digest(key: str) -> str:
+    """How the gateway stores and compares a key: `sha256:` and the hex SHA-256 of its text."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeySource(_Strict):
+    """Where a key comes from: its digest written in the file (`key`), or the plain key in an
+    environment variable (`key_env`) or a file (`key_file`), hashed when the config is read.
+    Exactly one of them."""
+
+    key: str | None = Field(None, description="sha256:<64 hex digits>, from "
+                            "`prefix-gateway hash-key`")
+    key_env: str | None = Field(None, min_length=1, description="environment variable that "
+                                "holds the key (plain, or its sha256: digest)")
+    key_file: str | None = Field(None, min_length=1, description="file that holds the key "
+                                 "(plain, or its sha256: digest; surrounding whitespace "
+                                 "ignored)")
+    _digest: str = PrivateAttr("")
+
+    @field_validator("key")
+    @classmethod
+    def _is_digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v.strip().lower()):
+            # Never echo the value: it may be a plain key pasted by mistake.
+            raise ValueError("must be a digest, sha256:<64 hex digits> (print one with "
+                             "`prefix-gateway hash-key`); a plain key belongs in key_env or "
+                             "key_file, never in the configuration")
+        return v.strip().lower() if v else v
+
+    @model_validator(mode="after")
+    def _resolve(self) -> KeySource:
+        given = [n for n in ("key", "key_env", "key_file") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of key (a sha256: digest), key_env or key_file")
+        if self.key is not None:
+            self._digest = self.key
+            return self
+        if self.key_env is not None:
+            raw = os.environ.get(self.key_env)
+            if not raw or not raw.strip():
+                raise ValueError(f"environment variable {self.key_env} is not set or empty")
+        else:
+            try:
+                raw = Path(str(self.key_file)).read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read key_file {self.key_file}: {exc.strerror}") \
+                    from None
+            if not raw.strip():
+                raise ValueError(f"key_file {self.key_file} is empty")
+        raw = raw.strip()
+        self._digest = raw.lower() if _DIGEST.match(raw.lower()) else key_digest(raw)
+        return self
+
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+
+class RateLimitConfig(_Strict):
+    """Budgets per minute (a sliding window); None: no limit of that kind."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="prompt tokens (estimated) plus max_tokens, charged when the "
+        "request is admitted")
+
+
+class ClientKeyConfig(KeySource):
+    """A client API key: who it is, which traffic classes it may use, its limits."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$",
+                      description="shown in logs and metrics instead of the key")
+    classes: list[str] | None = Field(
+        None, min_length=1, description="traffic classes the key may use (None: all)")
+    default_class: str | None = Field(
+        None, description="its class when the request names none (None: "
+        "classification.default_class if allowed, else the first of `classes`)")
+    priority: int | None = Field(None, description="priority within its class, unless a "
+                                 "priority header says otherwise")
+    limits: RateLimitConfig | None = None
+
+
+class NamedKeyConfig(KeySource):
+    """An admin or metrics key."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$")
+
+
+class AuthConfig(_Strict):
+    """Who may call the gateway (docs/security.md)."""
+
+    api_keys: list[ClientKeyConfig] = Field(
+        default_factory=list, description="client keys for /v1/*; none: /v1 is open")
+    admin_keys: list[NamedKeyConfig] = Field(
+        default_factory=list, description="keys for /admin, /admin/stats; none: /admin is "
+        "open only while api_keys is empty too, else refused")
+    metrics_keys: list[NamedKeyConfig] = Field(
+        default_factory=list, description="bearer tokens for /metrics (an admin key works "
+        "too); none: /metrics is open")
+    allow_unauthenticated: bool = Field(
+        False, description="allow server.host to be a non-loopback address without api_keys")
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        for where, keys in (("api_keys", self.api_keys), ("admin_keys", self.admin_keys),
+                            ("metrics_keys", self.metrics_keys)):
+            names = [k.name for k in keys]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"auth.{where}: names must be unique: {dupes}")
+        digests = [k.digest for k in (*self.api_keys, *self.admin_keys, *self.metrics_keys)]
+        if len(set(digests)) != len(digests):
+            raise ValueError("auth: the same key is given twice (as two client keys, or as a "
+                             "client key and an admin or metrics key); give each its own")
+        return self
+
+
+class RateLimitsConfig(_Strict):
+    """Rate limits per traffic class (per key: in auth.api_keys[].limits)."""
+
+    classes: dict[str, RateLimitConfig] = Field(
+        default_factory=dict, description="traffic class -> its budget, all clients together")
+    default_max_tokens: int = Field(
+        256, ge=0, description="output tokens charged for a request that sets no max_tokens")
 
 
 class GatewayConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    rate_limits: RateLimitsConfig = Field(default_factory=RateLimitsConfig)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     pools: list[PoolConfig] = Field(min_length=1)
     traffic_classes: list[TrafficClassConfig] = Field(min_length=1)
@@ -362,6 +567,7 @@ class GatewayConfig(_Strict):
         dupes = sorted({n for n in replicas if replicas.count(n) > 1})
         if dupes:
             raise ValueError(f"replica names must be unique across pools (metrics label): {dupes}")
+        self._check_replica_urls()
         classes = [c.name for c in self.traffic_classes]
         if len(set(classes)) != len(classes):
             raise ValueError(f"traffic class names must be unique: {classes}")
@@ -384,7 +590,59 @@ class GatewayConfig(_Strict):
         if self.batch.traffic_class is not None and self.batch.traffic_class not in known:
             raise ValueError(f"batch.traffic_class {self.batch.traffic_class!r} is not a "
                              f"traffic class; classes are {sorted(known)}")
+        self._check_auth(known)
         return self
+
+    def _check_auth(self, known: set[str]) -> None:
+        for key in self.auth.api_keys:
+            where = f"auth.api_keys[{key.name!r}]"
+            for c in [*(key.classes or ()), *([key.default_class] if key.default_class else [])]:
+                if c not in known:
+                    raise ValueError(f"{where} names unknown traffic class {c!r}; classes are "
+                                     f"{sorted(known)}")
+            if key.default_class and key.classes and key.default_class not in key.classes:
+                raise ValueError(f"{where}: default_class {key.default_class!r} is not among "
+                                 f"its classes {key.classes}")
+        for c in self.rate_limits.classes:
+            if c not in known:
+                raise ValueError(f"rate_limits.classes names unknown traffic class {c!r}; "
+                                 f"classes are {sorted(known)}")
+        cl = self.classification
+        if self.auth.api_keys and (cl.api_keys or cl.priority_api_keys):
+            # Those maps hold plain keys; with auth, each key's class and priority live in its
+            # auth.api_keys entry, where only its digest is written.
+            raise ValueError("classification.api_keys and priority_api_keys cannot be used with "
+                             "auth.api_keys: give each key its default_class and priority there")
+
+    def exposure_problem(self) -> str | None:
+        """Why the gateway must not serve as configured: a non-loopback address with no client
+        keys, unless the operator said so explicitly. None: fine. (Checked where it serves,
+        after command-line overrides of the host, not when the file is read.)"""
+        host = self.server.host.strip("[]")
+        if host in LOOPBACK_HOSTS or self.auth.api_keys or self.auth.allow_unauthenticated:
+            return None
+        return (f"server.host {self.server.host!r} is not a loopback address and auth.api_keys "
+                "is empty: anyone who reaches it could use every pool. Add client keys "
+                "(auth.api_keys), bind 127.0.0.1, or set auth.allow_unauthenticated: true "
+                "(serve --allow-unauthenticated) to run open on purpose")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether /v1 asks for a client key."""
+        return bool(self.auth.api_keys)
+    def _check_replica_urls(self) -> None:
+        # One engine behind two replica entries would be routed to as two: its load and its
+        # cached prefixes split in halves that each look half as busy.
+        seen: dict[str, str] = {}
+        for i, pool in enumerate(self.pools):
+            for j, r in enumerate(pool.replicas):
+                where = f"pools[{i}].replicas[{j}] ({pool.name}/{r.name})"
+                first = seen.setdefault(r.base_url.lower(), where)
+                if first != where:
+                    raise ValueError(f"{where} has the same url as {first}: {r.base_url}; "
+                                     "each engine replica must be listed once (to share it "
+                                     "between traffic classes, send them to the same pool or "
+                                     "let one borrow the other's)")
 
     def _check_borrowing(self) -> None:
         pools = {p.name: p for p in self.pools}
@@ -509,6 +767,25 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the
+    last silently, so an operator's first setting would be ignored)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, list | dict):
+                continue  # unhashable: the schema rejects it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and validate a YAML config file; errors name the key, its path and line."""
     p = Path(path)
@@ -517,7 +794,7 @@ def load_config(path: str | Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: constructs plain data only
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):

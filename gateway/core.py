@@ -27,6 +27,8 @@ from gateway.errors import (
 )
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.outcome import Finished, Outcome
+from gateway.parse import cap_tokens
+from gateway.ratelimit import RateLimited
 from gateway.relay import (
     ReadFailure,
     StreamBody,
@@ -82,6 +84,16 @@ def _hash_chars(request: InferenceRequest, pool: Pool, cls: str) -> RoutingReque
     return pool.router.request_from_text(text, cls)
 
 
+def _serialise(payload: dict) -> bytes:
+    """The payload as the replica gets it, once the gateway changed it."""
+    try:
+        return orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        # orjson parses 1,024 levels but writes only 254.
+        raise bad_request("The request body is nested too deeply (at most 254 levels "
+                          "of arrays and objects).", code="nested_too_deep") from None
+
+
 def error_reply(err: GatewayError, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
     body = err.body()
     return Reply(err.status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
@@ -101,10 +113,17 @@ class RequestCore:
                                          read=cfg.request_timeout_s)
         self.timeouts = {p.name: p.timeouts_for(cfg) for p in state.config.pools}
         self.max_attempts = cfg.max_attempts
+        self.max_response = cfg.max_response_bytes
         self.route_headers = cfg.response_headers
         self.explain_headers = cfg.explain_headers
         self.internal_stream = cfg.non_streaming_ttft
+        self.token_caps = {c.name: c.max_tokens for c in state.config.traffic_classes
+                           if c.max_tokens is not None}
+        """Traffic class -> the most tokens one of its requests may ask for."""
         self.admission = state.admission
+        self.limiter = state.limiter
+        self.pass_client_key = frozenset(p.name for p in state.config.pools
+                                         if p.pass_client_key)
         self.gates = state.admission.classes
         """Traffic classes under admission control (empty when none is configured)."""
 
@@ -117,8 +136,25 @@ class RequestCore:
         awaiting is paid again each time the request waits on the network.)
         """
         link = link or ClientLink()
+        # Requests whose class their caller fixed (the batch runner's lines) are paced by their
+        # runner, not by rate limits.
+        limited = self.limiter.active and request.traffic_class is None
         try:
             call = self._prepare(request)
+        except GatewayError as err:
+            if err.code == "traffic_class_not_allowed":
+                self.state.observer.auth_rejected("inference", "none", "forbidden")
+            return error_reply(err)
+        if limited:
+            try:
+                await self.limiter.charge(request.client, call.traffic_class, request.payload,
+                                          len(request.body))
+            except RateLimited as err:
+                self.state.observer.auth_rejected("inference", call.traffic_class,
+                                                  "rate_limited")
+                self._unrouted(call, "429")
+                return error_reply(err, err.headers)
+        try:
             if call.routing is None:
                 await self._hash_engine_tokens(call)
         except GatewayError as err:
@@ -192,8 +228,10 @@ class RequestCore:
                     candidates.append(name)
             obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
                                   perf_counter() - request.received_at))
-            return error_reply(upstream_failed(pool.name, last_error or
-                                               "no healthy replica left to try"))
+            # The detail names replicas and their addresses: for the log, not the client.
+            log.warning("502 to the client: every replica tried in pool %s failed: %s",
+                        pool.name, last_error or "no healthy replica left to try")
+            return error_reply(upstream_failed(pool.name))
         finally:
             if grant is not None and not handed_over:
                 grant.release()
@@ -203,8 +241,9 @@ class RequestCore:
         fetched after, by `_hash_engine_tokens`) and build what the replica gets."""
         state = self.state
         payload, headers = request.payload, request.headers
+        client = request.client
         cls = request.traffic_class or state.classifier.classify(
-            headers, payload.get("service_tier"))
+            headers, payload.get("service_tier"), client)
         pool = state.pool_for_class[cls]
         model = request.model
         if model not in pool.models:
@@ -213,22 +252,21 @@ class RequestCore:
                     f"traffic class {cls!r}." if others else
                     f" Available models: {state.models}.")
             raise model_not_found(model, hint)
+        capped = False
+        cap = self.token_caps.get(cls)
+        if cap is not None:
+            capped = cap_tokens(payload, cap, cls)
         routing = None
         if not pool.hashes_engine_tokens:
             routing = _hash_chars(request, pool, cls)
-        body = request.body
+        body = _serialise(payload) if capped else request.body
         assemble = False
         if not request.stream and self.internal_stream:
             payload["stream"] = True
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                          "include_usage": True}
-            try:
-                body = orjson.dumps(payload)
-            except orjson.JSONEncodeError:
-                # orjson parses 1,024 levels but writes only 254.
-                raise bad_request("The request body is nested too deeply (at most 254 levels "
-                                  "of arrays and objects).", code="nested_too_deep") from None
+            body = _serialise(payload)
             assemble = True
         fwd = {"Content-Type": "application/json"}
         for h in _FORWARD_HEADERS:
@@ -238,7 +276,8 @@ class RequestCore:
         priority = request.priority
         if priority is None:
             classifier = state.classifier
-            priority = classifier.priority(headers) if classifier.sets_priority else 0
+            priority = classifier.priority(headers, client) if classifier.sets_priority or (
+                client is not None and client.priority is not None) else 0
         return _Call(request, pool, cls, routing, body, fwd,
                      auth.decode("latin-1") if auth else None, assemble, priority)
 
@@ -279,7 +318,10 @@ class RequestCore:
                           call.request.received_at, self.state.observer, call.assemble,
                           monitor)
         headers = call.headers
-        auth = replica.auth or call.client_auth
+        # The pool's (or replica's) own credentials, and only to it; the client's key only to a
+        # pool configured to receive it.
+        auth = replica.auth or (call.client_auth if pool.name in self.pass_client_key
+                                else None)
         if auth:
             headers = {**headers, "Authorization": auth}
         url = replica.base_url + call.request.path
@@ -308,16 +350,18 @@ class RequestCore:
                     if resp.status >= 500:
                         monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
                     attempt.sent()
-                    return await relay_error_status(resp, attempt, link, extra)
+                    return await relay_error_status(resp, attempt, link, extra,
+                                                    self.max_response)
                 if call.request.stream:
                     reply = await relay_stream(resp, attempt, link, extra)
                     streamed = isinstance(reply.body, StreamBody)
                 elif call.assemble:
                     reply = await relay_assembled(resp, attempt, link, extra,
-                                                  call.request.chat)
+                                                  call.request.chat, self.max_response)
                 else:
                     attempt.sent()  # the body is read whole: its first byte is its headers
-                    reply = await relay_passthrough(resp, attempt, link, extra)
+                    reply = await relay_passthrough(resp, attempt, link, extra,
+                                                    self.max_response)
                 attempt.sent()
                 if reply.status < 500:
                     monitor.request_succeeded(pool, replica)
@@ -366,7 +410,9 @@ class RequestCore:
             return _Failure(detail, reason)
         attempt.end(Outcome.FAILED)
         self.state.observer.try_failed(call.pool.name, attempt.replica.name, reason)
-        return error_reply(upstream_failed(call.pool.name, detail))
+        # The detail names the replica and its failure: for the log, not the client.
+        log.warning("502 to the client: %s/%s", call.pool.name, detail)
+        return error_reply(upstream_failed(call.pool.name))
 
     async def _send(self, call: _Call, replica: ReplicaState, url: str,
                     headers: dict[str, str], timeouts: Timeouts) -> UpstreamResponse:

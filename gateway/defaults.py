@@ -14,7 +14,8 @@ BATCH_REPLICAS = 2
 def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int = 8080,
                    model: str = DEFAULT_MODEL, realtime_engine: str = "vllm",
                    batch_engine: str = "trtllm", redis_url: str | None = None,
-                   batch: dict[str, Any] | None = None) -> GatewayConfig:
+                   batch: dict[str, Any] | None = None,
+                   auth: dict[str, Any] | None = None) -> GatewayConfig:
     """Two pools: `realtime` (vLLM-like replicas) and `batch` (trtllm-serve-like replicas).
 
     Requests choose a class with the `x-traffic-class` header or OpenAI's `service_tier`
@@ -22,9 +23,12 @@ def default_config(realtime_urls: list[str], batch_urls: list[str], *, port: int
     takes 64 requests at once, the classes queue beyond that (realtime first), and realtime
     borrows the batch pool while that pool is less than half busy, never its reserved quarter.
     With `redis_url`, the Batch API runs its lines on the batch class (`batch`: keys of the
-    configuration's batch section).
+    configuration's batch section). `auth`: the configuration's auth section (client and
+    admin keys, as digests).
     """
     extra: dict[str, Any] = {}
+    if auth:
+        extra["auth"] = auth
     if redis_url:
         extra["redis"] = {"url": redis_url}
     if batch:

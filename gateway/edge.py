@@ -7,6 +7,7 @@ import contextlib
 import logging
 from time import perf_counter
 
+from gateway.auth import CLIENT_SCOPE
 from gateway.core import RequestCore, error_reply
 from gateway.errors import GatewayError
 from gateway.exchange import ClientLink, InferenceRequest, Reply
@@ -79,7 +80,8 @@ class InferenceEndpoint:
         except ClientLeft:
             return
         request = InferenceRequest(self.path, self.chat, payload, body, model, stream,
-                                   dict(scope["headers"]), received_at=received_at)
+                                   dict(scope["headers"]), received_at=received_at,
+                                   client=scope.get(CLIENT_SCOPE))
         link = EdgeLink(receive)
         try:
             reply = await self.core.handle(request, link)

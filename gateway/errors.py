@@ -53,6 +53,7 @@ def no_replica(pool: str) -> GatewayError:
                         type="service_unavailable", code="no_healthy_replica")
 
 
-def upstream_failed(pool: str, detail: str) -> GatewayError:
-    return GatewayError(502, f"Every replica tried in pool {pool!r} failed before answering: "
-                             f"{detail}", type="upstream_error", code="upstream_unavailable")
+def upstream_failed(pool: str) -> GatewayError:
+    # No replica names, addresses or upstream messages: those are internal, and in the log.
+    return GatewayError(502, f"Every replica tried in pool {pool!r} failed before answering; "
+                             "retry later.", type="upstream_error", code="upstream_unavailable")

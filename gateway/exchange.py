@@ -8,6 +8,7 @@ from time import perf_counter
 from typing import Any, Protocol
 
 from backends.upstream import UpstreamResponse
+from gateway.auth import ClientKey
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
 SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),
@@ -34,6 +35,9 @@ class InferenceRequest:
     priority: int | None = None
     """Its priority within its class, when already known; None: from headers (see
     `classification.priority_header`), else 0."""
+    client: ClientKey | None = None
+    """The authenticated client key (None: the gateway has no client keys, or an internal
+    caller such as the batch runner)."""
 
 
 class ReplyStream(Protocol):

@@ -124,6 +124,13 @@ class GatewayMetrics:
         self.redis_up = GaugeFamily(
             "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
             "(absent without a redis section).", ())
+        # Authentication, authorisation and rate limits.
+        self.auth_rejected = CounterFamily(
+            "gateway_auth_rejected", "Requests refused before routing: unauthenticated (401: "
+            "no key or a wrong one), forbidden (403: a traffic class or API the key may not "
+            "use), rate_limited (429: a key's or class's budget per minute). Surface: "
+            "inference, api (other /v1 routes), admin, metrics; traffic_class 'none' when "
+            "not known yet.", ("surface", "traffic_class", "reason"))
         # Faults: tries that failed before the client got anything, and passive ejection.
         self.tries_failed = CounterFamily(
             "gateway_tries_failed", "Tries that failed before anything reached the client, by "

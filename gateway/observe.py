@@ -157,3 +157,8 @@ class Observer:
     def admission_rejected(self, cls: str, reason: str) -> None:
         self.m.admission_rejected.inc((cls, reason))
         self.stats.rejected.setdefault(cls, Counter())[reason] += 1
+
+    # Authentication and rate limits ------------------------------------------------------
+
+    def auth_rejected(self, surface: str, traffic_class: str, reason: str) -> None:
+        self.m.auth_rejected.inc((surface, traffic_class, reason))

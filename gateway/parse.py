@@ -52,4 +52,36 @@ def validate(payload: Any, chat: bool) -> tuple[str, bool]:
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
             raise bad_request("'prompt' must be a string, an array of strings or of tokens.",
                               "prompt", "invalid_type")
+    for key in TOKEN_LIMITS:
+        value = payload.get(key)
+        # bool is an int in Python, and 1e12 parses as a float: neither is a token count.
+        if value is not None and (type(value) is not int or not 0 <= value <= MAX_TOKENS):
+            raise bad_request(f"'{key}' must be an integer from 0 to {MAX_TOKENS}; got "
+                              f"{str(value)[:40]}.", key,
+                              "invalid_type" if type(value) is not int else "invalid_value")
     return model, bool(stream)
+
+
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+MAX_TOKENS = 2**31 - 1
+"""Above what engines store in 32 bits; larger values are refused whatever the class's cap."""
+
+
+def cap_tokens(payload: dict[str, Any], cap: int, traffic_class: str) -> bool:
+    """Hold the request to its class's `max_tokens` cap: a 400 if it asks for more, the cap
+    set as its max_tokens if it asks for nothing (the engine's default is often the whole
+    context). True if the payload was changed."""
+    asked = False
+    for key in TOKEN_LIMITS:
+        value = payload.get(key)
+        if value is None:
+            continue
+        asked = True
+        if value > cap:
+            raise bad_request(f"'{key}' is {value}, above the limit of traffic class "
+                              f"{traffic_class!r}: at most {cap} tokens.", key,
+                              "max_tokens_too_large")
+    if asked:
+        return False
+    payload["max_tokens"] = cap
+    return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 
@@ -9,9 +10,15 @@ import orjson
 
 from backends.upstream import ReadFailed, UpstreamResponse
 from gateway.attempt import Attempt
+from gateway.errors import error_body
 from gateway.exchange import JSON_HEADERS, SSE_HEADERS, ClientLink, Reply
 from gateway.outcome import Outcome
 from gateway.sse import assemble
+
+log = logging.getLogger("prefix_gateway.relay")
+
+DEFAULT_MAX_RESPONSE = 64 * 1024 * 1024
+"""server.max_response_bytes' default."""
 
 
 class ReadFailure(Exception):
@@ -29,23 +36,49 @@ def _length(data: bytes) -> tuple[bytes, bytes]:
 
 
 async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                             extra: list[tuple[bytes, bytes]]) -> Reply:
-    """A replica's own 4xx/5xx: passed through as the replica sent it."""
-    return await _relay_whole(resp, attempt, link,
-                              [(b"content-type", resp.content_type.encode()), *extra])
+                             extra: list[tuple[bytes, bytes]],
+                             limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
+    """A replica's own 4xx/5xx. A 4xx in JSON is passed through as the replica sent it (it
+    explains what is wrong with the request); anything else is answered in OpenAI's error
+    shape with the replica's status, its body only logged: an engine's 5xx body or a proxy's
+    HTML page is no use to the client and may name internal hosts."""
+    reply = await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra], limit)
+    if reply.status != resp.status or (resp.status < 500 and _json_object(resp, reply.body)):
+        # Passed through, or the client left (499), or the body was too large (502).
+        return reply
+    log.warning("replica %s answered HTTP %d: %r", attempt.replica.name, resp.status,
+                reply.body[:500])
+    body = error_body(
+        f"The model replica {'failed to answer' if resp.status >= 500 else 'refused the request'}"
+        f" (HTTP {resp.status}).", type="upstream_error" if resp.status >= 500
+        else "invalid_request_error", code="upstream_error")
+    return Reply(resp.status, [*JSON_HEADERS, _length(body), *extra], body)
+
+
+def _json_object(resp: UpstreamResponse, body: bytes) -> bool:
+    if not resp.content_type.startswith("application/json"):
+        return False
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                            extra: list[tuple[bytes, bytes]]) -> Reply:
+                            extra: list[tuple[bytes, bytes]],
+                            limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
     """A non-streaming answer, relayed whole and untouched."""
-    return await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra])
+    return await _relay_whole(resp, attempt, link, [*JSON_HEADERS, *extra], limit)
 
 
 async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                          extra: list[tuple[bytes, bytes]], chat: bool) -> Reply:
+                          extra: list[tuple[bytes, bytes]], chat: bool,
+                          limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
     """A non-streaming request the gateway streamed from the replica (to time it): the JSON
-    response is rebuilt from the stream's events."""
+    response is rebuilt from the stream's events, which are held until then: at most `limit`
+    bytes of them."""
     last = b""
+    size = 0
     replica = attempt.replica
     chunks = resp.chunks()
     try:
@@ -63,6 +96,9 @@ async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: Client
             finally:
                 if waiting:
                     replica.reads -= 1
+            size += len(chunk)
+            if size > limit:
+                return _too_large(resp, attempt, extra, limit)
             attempt.observe(chunk)
             last = chunk
     except ReadFailed as exc:
@@ -86,6 +122,20 @@ async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: Client
                                  Outcome.ANSWERED)
     attempt.end(outcome, status)
     return Reply(status, [*JSON_HEADERS, _length(body), *extra], body)
+
+
+def _too_large(resp: UpstreamResponse, attempt: Attempt, extra: list[tuple[bytes, bytes]],
+               limit: int) -> Reply:
+    """The replica's answer outgrew what the gateway buffers: dropped (so the engine stops),
+    and a 502 instead. Not retried: another replica would generate as much."""
+    resp.abort()
+    log.warning("replica %s sent a non-streaming response above server.max_response_bytes "
+                "(%d); answered 502", attempt.replica.name, limit)
+    attempt.end(Outcome.FAILED, 502)
+    body = error_body(f"The response is larger than the gateway relays without streaming "
+                      f"({limit} bytes); ask for fewer tokens or set stream: true.",
+                      type="upstream_error", code="response_too_large")
+    return Reply(502, [*JSON_HEADERS, _length(body), *extra], body)
 
 
 HOLD_LIMIT = 1024 * 1024
@@ -182,11 +232,15 @@ class StreamBody:
                 self._finish(Outcome.CLIENT_GONE)
                 raise StopAsyncIteration from None
             self._finish(Outcome.FAILED)
-            why = str(exc).split(':', 1)[0]
+            # What failed, and where, is for the log: an upstream message may name its host.
+            log.warning("stream from %s/%s failed mid-way: %s", self._attempt.pool.name,
+                        self._attempt.replica.name, exc)
             self._attempt.failed_mid_stream(
-                f"{self._attempt.replica.name}: {why} mid-stream", exc.timed_out)
+                f"{self._attempt.replica.name}: {str(exc).split(':', 1)[0]} mid-stream",
+                exc.timed_out)
             return b"data: " + orjson.dumps({"error": {
-                "message": f"replica {self._attempt.replica.name} failed mid-stream: {why}",
+                "message": f"replica {self._attempt.replica.name} failed mid-stream; retry "
+                           "the request",
                 "type": "upstream_error", "param": None, "code": "upstream_failed"}}) + b"\n\n"
         finally:
             replica.reads -= 1
@@ -209,13 +263,21 @@ class StreamBody:
 
 
 async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                       headers: list[tuple[bytes, bytes]]) -> Reply:
-    """The body read whole and relayed as it is, with `headers` and its length."""
+                       headers: list[tuple[bytes, bytes]], limit: int) -> Reply:
+    """The body read whole (at most `limit` bytes) and relayed as it is, with `headers` and
+    its length."""
+    chunks: list[bytes] = []
+    size = 0
     try:
-        data = await resp.read()
+        async for chunk in resp.chunks():
+            size += len(chunk)
+            if size > limit:
+                return _too_large(resp, attempt, headers[len(JSON_HEADERS):], limit)
+            chunks.append(chunk)
     except ReadFailed as exc:
         if not link.gone:
             raise ReadFailure(str(exc), not exc.timed_out) from None
-        data = b""
+        chunks = []
+    data = b"".join(chunks)
     attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
     return Reply(resp.status, [*headers, _length(data)], data)

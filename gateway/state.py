@@ -8,10 +8,12 @@ from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
 from backends.upstream.aiohttp_client import AiohttpUpstream
 from gateway.admission import Admission
+from gateway.auth import Authenticator
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
+from gateway.ratelimit import RateLimiter
 from gateway.stats import StatsRecorder
 from gateway.wiring import build_pools
 
@@ -31,6 +33,8 @@ class GatewayState:
         self.stats = StatsRecorder()
         self.observer = Observer(self.metrics, self.stats)
         self.admission = Admission(config, self.pool_by_name, self.observer)
+        self.auth = Authenticator(config)
+        self.limiter = RateLimiter(config)
         self.models = sorted({m for p in self.pools for m in p.models})
         self.upstream: Upstream = upstream or AiohttpUpstream(
             keepalive_s=config.server.upstream_keepalive_s)
@@ -47,6 +51,7 @@ class GatewayState:
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.upstream.aclose()
+        await self.limiter.aclose()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from backends.pool import Pool
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
 
+
+def shown_url(url: str) -> str:
+    """A replica's URL as the admin API shows it: credentials in it (user:password@, a
+    query) replaced by ***."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=netloc, query="***" if parts.query else ""))
 
 class ReplicaStats:
     __slots__ = ("errors", "hit_blocks", "miss_blocks", "requests", "ttfts")
@@ -50,7 +60,7 @@ class StatsRecorder:
                 snap = r.snapshot
                 reps.append({
                     "name": r.name,
-                    "url": r.base_url,
+                    "url": shown_url(r.base_url),
                     "healthy": r.healthy,
                     "last_error": r.last_error or None,
                     "inflight": pool.load.inflight.get(r.name, 0),

@@ -75,3 +75,4 @@ def test_up_serves_both_pools_and_stops_everything(tmp_path, sig) -> None:
         processes.stop_all([proc])
     log = (tmp_path / "up.log").read_text()
     assert "serving on" in log
+    assert "UNAUTHENTICATED" in log and "--api-key" in log  # said at start, without keys

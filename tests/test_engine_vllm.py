@@ -51,7 +51,8 @@ def vllm_replicas(tmp_path_factory):
 def engine_sums(url: str, *names: str) -> tuple[float, ...]:
     """The named samples of the engine's own /metrics, summed over their label sets."""
     sums = dict.fromkeys(names, 0.0)
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    text = httpx.get(url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
+    for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in sums:
                 sums[s.name] += s.value
@@ -64,7 +65,7 @@ def engine_counters(url: str) -> tuple[float, float]:
 
 
 def gateway_engine_ratios(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
     return {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == "gateway_engine_prefix_cache_hit_ratio"}
 
@@ -101,7 +102,8 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
     for policy in ("round_robin", "prefix_affinity"):
         for url in urls:
             # Empty caches for each policy (needs VLLM_SERVER_DEV_MODE=1, set by the launcher).
-            assert httpx.post(url + "/reset_prefix_cache").status_code == 200
+            reset = httpx.post(url + "/reset_prefix_cache", timeout=REQUEST_TIMEOUT_S)
+            assert reset.status_code == 200
         before = {u: engine_counters(u) for u in urls}
         port = processes.free_ports(1)[0]
         config = one_pool_config(urls, port, replica_prefix="vllm", routing={"policy": policy},
@@ -151,7 +153,11 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
                           timeout=REQUEST_TIMEOUT_S)
 
         def pool_stats() -> dict:
-            return httpx.get(gw.url + "/admin/stats", timeout=30).json()["pools"][0]
+            # As long as a completion may take: on a saturated machine the engine's busy loop
+            # and the background stream leave the gateway little CPU, and a stats call has
+            # been seen to wait over 30 s for it.
+            return httpx.get(gw.url + "/admin/stats",
+                             timeout=REQUEST_TIMEOUT_S).json()["pools"][0]
 
         # This tiny model decodes a token in milliseconds on CPU: without ignore_eos a
         # background stream would end long before the requests do.

@@ -54,18 +54,25 @@ class EngineAdapter(ABC):
 
     async def probe(self, upstream: Upstream, base_url: str, timeout: float) -> Probe:
         """OK when the engine answers its liveness check with 200."""
+        return (await self.check(upstream, base_url, timeout))[0]
+
+    async def check(self, upstream: Upstream, base_url: str,
+                    timeout: float) -> tuple[Probe, str]:
+        """The liveness check's outcome and, unless OK, why (for the logs)."""
         try:
             resp = await upstream.request("GET", base_url + self.health_path,
                                           timeouts=Timeouts(total=timeout))
         except UpstreamError as exc:
-            return Probe.TIMEOUT if exc.timed_out else Probe.DEAD
+            return (Probe.TIMEOUT if exc.timed_out else Probe.DEAD), str(exc)
         try:
             await resp.read()
         except UpstreamError as exc:
-            return Probe.TIMEOUT if exc.timed_out else Probe.DEAD
+            return (Probe.TIMEOUT if exc.timed_out else Probe.DEAD), str(exc)
         finally:
             resp.release()
-        return Probe.OK if resp.status == 200 else Probe.DEAD
+        if resp.status == 200:
+            return Probe.OK, ""
+        return Probe.DEAD, f"{self.health_path} answered HTTP {resp.status}"
 
     @abstractmethod
     async def scrape(

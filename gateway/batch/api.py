@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException
 
+from gateway.auth import CLIENT_SCOPE, class_not_allowed
 from gateway.batch.redis_link import UNAVAILABLE
 from gateway.batch.service import BatchService
 from gateway.batch.shapes import batch_object
@@ -65,6 +66,13 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     if not low <= value <= high:
         raise bad_request(f"'{name}' must be between {low} and {high}.", name, "invalid_value")
     return value
+
+
+def _owner(request: Request) -> str:
+    """Whose files and batches the request may see: its client key's name ("" on a gateway
+    without client keys, where every client shares them)."""
+    client = request.scope.get(CLIENT_SCOPE)
+    return client.name if client is not None else ""
 
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -166,7 +174,8 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
             raise bad_request("Missing required parameter: 'file' (a file part of the "
                               "multipart form).", "file", "missing_required_parameter")
         data = await upload.read()
-        return await s.files.create(data, upload.filename or "upload.jsonl", purpose)
+        return await s.files.create(data, upload.filename or "upload.jsonl", purpose,
+                                    owner=_owner(request))
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> dict[str, Any]:
@@ -177,35 +186,39 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
             raise bad_request("'order' must be 'asc' or 'desc'.", "order", "invalid_value")
         limit = _int_param(request, "limit", 10000, 1, 10000)
         page = await s.files.page(after=q.get("after"), limit=limit, order=order,
-                                  purpose=q.get("purpose"))
+                                  purpose=q.get("purpose"), owner=_owner(request))
         if page is None:
             raise bad_request(f"'after' names no file: {q.get('after')!r}.", "after",
                               "invalid_value")
         return _page(*page)
 
     @app.get("/v1/files/{file_id}")
-    async def get_file(file_id: str) -> dict[str, Any]:
-        obj = await svc().files.get(file_id)
+    async def get_file(file_id: str, request: Request) -> dict[str, Any]:
+        obj = await svc().files.get(file_id, _owner(request))
         if obj is None:
             raise not_found("file", file_id)
         return obj
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> Response:
-        data = await svc().files.content(file_id)
+    async def file_content(file_id: str, request: Request) -> Response:
+        data = await svc().files.content(file_id, _owner(request))
         if data is None:
             raise not_found("file", file_id)
         return Response(data, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str) -> dict[str, Any]:
-        if not await svc().files.delete(file_id):
+    async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
+        if not await svc().files.delete(file_id, _owner(request)):
             raise not_found("file", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
         s = svc()
+        client = request.scope.get(CLIENT_SCOPE)
+        if client is not None and s.runner.traffic_class not in client.classes:
+            # Batch lines run as the batch class: a key without it may not start them.
+            raise class_not_allowed(s.runner.traffic_class, client.classes, "the Batch API")
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
@@ -224,7 +237,8 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
         window = _window_s(body["completion_window"])
         metadata = _metadata(body.get("metadata"))
         file_id = body["input_file_id"]
-        meta = await s.files.get(file_id)
+        owner = _owner(request)
+        meta = await s.files.get(file_id, owner)
         if meta is None:
             raise not_found("file", file_id, "input_file_id")
         if meta["purpose"] != "batch":
@@ -238,6 +252,8 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
                   "total": "0", "completed": "0", "failed": "0"}
         if metadata is not None:
             fields["metadata"] = orjson.dumps(metadata).decode()
+        if owner:
+            fields["owner"] = owner
         await s.store.create(fields)
         s.runner.wake.set()
         return batch_object(fields)
@@ -247,26 +263,29 @@ def install(app: FastAPI, service: BatchService | None, max_file_bytes: int) -> 
         s = svc()
         limit = _int_param(request, "limit", 20, 1, 100)
         after = request.query_params.get("after")
-        page = await s.store.page(after, limit)
+        page = await s.store.page(after, limit, _owner(request))
         if page is None:
             raise bad_request(f"'after' names no batch: {after!r}.", "after", "invalid_value")
         rows, more = page
         return _page([batch_object(h) for h in rows], more)
 
     @app.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str) -> dict[str, Any]:
-        h = await svc().store.get(batch_id)
+    async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
+        h = await svc().store.get(batch_id, _owner(request))
         if h is None:
             raise not_found("batch", batch_id)
         return batch_object(h)
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> dict[str, Any]:
+    async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
         s = svc()
+        owner = _owner(request)
+        if await s.store.get(batch_id, owner) is None:
+            raise not_found("batch", batch_id)
         if await s.store.transition(batch_id, ["validating", "in_progress"],
                                     status="cancelling", cancelling_at=now_s()):
             s.runner.wake.set()
-        h = await s.store.get(batch_id)
+        h = await s.store.get(batch_id, owner)
         if h is None:
             raise not_found("batch", batch_id)
         if h["status"] in (*TERMINAL, "finalizing") and h["status"] != "cancelled":

@@ -98,7 +98,7 @@ async def finalize(store: BatchStore, files: FileStore, batch: dict[str, str], k
         if lines:
             file_id = output_file_id(batch_id, name)
             await files.create(b"\n".join(lines) + b"\n", f"{batch_id}_{name}.jsonl",
-                               "batch_output", file_id=file_id)
+                               "batch_output", file_id=file_id, owner=batch.get("owner", ""))
             fields[f"{name}_file_id"] = file_id
     if await store.finish(batch_id, {k: str(v) for k, v in fields.items()}):
         log.info("batch %s %s: %d output lines, %d error lines", batch_id, kind, len(out),

@@ -73,28 +73,42 @@ class BatchStore:
 
     # The batch record ---------------------------------------------------------------------
 
+    def owner_index(self, owner: str) -> str:
+        """The sorted set of `owner`'s batches (the name of the client key that created them,
+        "" on a gateway without client keys): a client lists and sees only its own."""
+        return self.link.key("batches", "owner", owner) if owner else self.index
+
     async def create(self, fields: dict[str, str]) -> None:
         seq = await self.r.incr(self.seq)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(self.key(fields["id"]), mapping={**fields, "seq": str(seq)})
-            pipe.zadd(self.index, {fields["id"]: seq})
+            pipe.zadd(self.owner_index(fields.get("owner", "")), {fields["id"]: seq})
             pipe.sadd(self.active, fields["id"])
             await pipe.execute()
 
-    async def get(self, batch_id: str) -> dict[str, str] | None:
+    async def get(self, batch_id: str, owner: str | None = None) -> dict[str, str] | None:
+        """The batch's record; None when there is none or it is not `owner`'s (None: the
+        gateway's own look, with no owner to check)."""
         h = await self.r.hgetall(self.key(batch_id))
-        return _text(h) if h else None
+        if not h:
+            return None
+        batch = _text(h)
+        if owner is not None and batch.get("owner", "") != owner:
+            return None
+        return batch
 
-    async def page(self, after: str | None, limit: int) -> tuple[list[dict[str, str]],
-                                                                 bool] | None:
-        """Newest first, up to `limit` after the batch `after`; None if `after` is unknown."""
+    async def page(self, after: str | None, limit: int,
+                   owner: str) -> tuple[list[dict[str, str]], bool] | None:
+        """`owner`'s batches, newest first, up to `limit` after the batch `after`; None if
+        `after` is not one of them."""
+        index = self.owner_index(owner)
         start = 0
         if after is not None:
-            rank = await self.r.zrevrank(self.index, after)
+            rank = await self.r.zrevrank(index, after)
             if rank is None:
                 return None
             start = rank + 1
-        ids = await self.r.zrange(self.index, start, start + limit, desc=True)
+        ids = await self.r.zrange(index, start, start + limit, desc=True)
         async with self.r.pipeline(transaction=False) as pipe:
             for i in ids[:limit]:
                 pipe.hgetall(self.key(i.decode()))
