@@ -25,15 +25,24 @@ class HealthListener(Protocol):
     def step_timing(self, pool: Pool) -> None:
         """The pool's step timing (`pool.load.steps`) was refreshed."""
 
+    def ejected(self, pool: str, replica: str, reason: str) -> None:
+        """Live traffic took the replica out of rotation (consecutive_failures, broken,
+        stalled)."""
+
 
 class HealthMonitor:
-    """Probes each replica's liveness path and scrapes its metrics on a schedule.
+    """Probes each replica's liveness path and scrapes its metrics on a schedule; ejects
+    replicas that fail live traffic or stall.
 
-    A replica leaves rotation after `failure_threshold` failed probes in a row (or at once when
-    a request to it fails to connect) and returns on its first successful probe. Replicas whose
-    probes only timed out stay as a last resort: when a pool has no healthy replica left, they
-    still take traffic (as Envoy's panic mode does), because a gateway starved of CPU must not
-    declare a whole working pool dead.
+    A replica leaves rotation after `failure_threshold` failed probes in a row, at once when a
+    request to it fails to connect or its connection breaks, after `ejection.
+    consecutive_failures` failed requests in a row (5xx, timeouts), or when it stalls (no byte
+    for `ejection.stall_s` while streams that had content wait for it). It returns on its
+    first successful probe, but not before its ejection has lasted `ejection.base_s`,
+    doubled for each ejection in a row (up to `max_s`). Replicas whose probes only timed out
+    stay as a last resort: when a pool has no healthy replica left, they still take traffic
+    (as Envoy's panic mode does), because a gateway starved of CPU must not declare a whole
+    working pool dead.
     """
 
     def __init__(self, pools: list[Pool], upstream: Upstream, listener: HealthListener) -> None:
@@ -57,6 +66,8 @@ class HealthMonitor:
         for pool in self.pools:
             self._tasks.append(asyncio.create_task(self._probe_loop(pool)))
             self._tasks.append(asyncio.create_task(self._scrape_loop(pool)))
+            if pool.spec.ejection.stall_s > 0:
+                self._tasks.append(asyncio.create_task(self._stall_loop(pool)))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -77,10 +88,68 @@ class HealthMonitor:
             # for replicas whose /metrics cannot be read.
             self.listener.step_timing(pool)
 
+    async def _stall_loop(self, pool: Pool) -> None:
+        # Checked several times per stall_s, so a stall is seen soon after it lasted stall_s.
+        every = pool.spec.ejection.stall_s / 4
+        while True:
+            await asyncio.sleep(every)
+            self.check_stalls(pool, time.perf_counter())
+
+    def check_stalls(self, pool: Pool, now: float) -> None:
+        """Eject the replicas of `pool` that stopped streaming while the gateway waits to
+        read streams that already had content from them; try their waiting requests
+        elsewhere."""
+        ejection = pool.spec.ejection
+        for r in pool.replicas.values():
+            if not r.reads or not r.healthy:
+                continue
+            load = pool.load
+            limit = max(ejection.stall_s, 20 * (load.steps.step_s(r.name) or 0.0))
+            pending, rate = load.pending_prefill.get(r.name, 0.0), load.steps.rate
+            if pending and rate > 0:
+                # A long prefill may hold the engine's steps (and so every stream there) for
+                # as long as it takes: that silence is work, not a stall.
+                limit += pending / rate
+            silent = now - max(r.last_chunk_at, r.reads_since)
+            if silent < limit:
+                continue
+            self._eject(pool, r, f"stalled: no byte for {silent:.1f} s with "
+                        f"{r.reads} stream(s) waiting", "stalled")
+            for attempt in list(r.holding):
+                attempt.interrupt("stalled")
+
+    def request_succeeded(self, pool: Pool, r: ReplicaState) -> None:
+        """A live request got its answer: the replica's failures in a row start again."""
+        r.live_failures = 0
+        if r.ejections and r.healthy:
+            r.ejections = 0
+
+    def request_failed(self, pool: Pool, r: ReplicaState, error: str,
+                       hard: bool = False) -> None:
+        """A live request failed on the replica. `hard` (its connection broke, or it said
+        503): eject at once; else after `consecutive_failures` in a row."""
+        r.live_failures += 1
+        if hard or r.live_failures >= pool.spec.ejection.consecutive_failures:
+            self._eject(pool, r, error, "broken" if hard else "consecutive_failures")
+
+    def _eject(self, pool: Pool, r: ReplicaState, error: str, reason: str) -> None:
+        if not r.healthy and r.ejected_until > time.monotonic():
+            return  # already out
+        ejection = pool.spec.ejection
+        length = min(ejection.max_s, ejection.base_s * 2 ** r.ejections)
+        r.ejections += 1
+        r.ejected_until = time.monotonic() + length
+        log.warning("replica %s/%s ejected for %.1f s: %s", pool.name, r.name, length, error)
+        self.listener.ejected(pool.name, r.name, reason)
+        self.mark_failed(pool, r, error)
+
     async def probe(self, pool: Pool, r: ReplicaState) -> None:
         outcome, why = await pool.adapter.check(self.upstream, r.base_url,
                                                 pool.health.timeout_s)
+        if outcome is Probe.OK and r.ejected_until > time.monotonic():
+            return  # still ejected: live traffic saw it fail more recently than this probe
         if outcome is Probe.OK:
+            r.live_failures = 0
             r.healthy = True
             r.suspect = False
             r.failures = 0

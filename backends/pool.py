@@ -33,6 +33,24 @@ class HealthTiming:
 
 
 @dataclass(frozen=True, slots=True)
+class Ejection:
+    """Passive outlier ejection: when live traffic takes a replica out of rotation, and for
+    how long (see docs/operating.md)."""
+
+    consecutive_failures: int = 3
+    """Failures of live requests in a row (5xx, timeouts) that eject the replica. A broken
+    connection (refused, reset, dropped mid-stream) ejects it at once."""
+    base_s: float = 1.0
+    """The first ejection's length; each ejection soon after another lasts twice as long."""
+    max_s: float = 30.0
+    stall_s: float = 1.0
+    """A replica that sends no byte for this long, while the gateway waits to read streams
+    that already had content from it (or for 20 of its
+    recent engine steps, if longer) is stalled: ejected, and its requests that have sent
+    nothing to their client yet are tried elsewhere. 0: no stall watch."""
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaSpec:
     """Where a replica is and what it serves (None: the pool's models)."""
 
@@ -56,6 +74,7 @@ class PoolSpec:
     """`chars` (hash character blocks) or `engine_tokens` (the engine's own tokens)."""
     token_block_size: int | None = None
     learn_chars_per_token: bool = True
+    ejection: Ejection = field(default_factory=Ejection)
 
 
 class ReplicaState:
@@ -74,6 +93,24 @@ class ReplicaState:
         """Out of rotation only because health checks timed out (not refused, not 503)."""
         self.failures = 0
         self.last_error = ""
+        # Passive health, from live traffic (backends/health.py).
+        self.live_failures = 0
+        """Failures of live requests in a row (a success resets it)."""
+        self.ejections = 0
+        """Ejections in a row (each lasts longer); reset by a success after the last one."""
+        self.ejected_until = 0.0
+        """time.monotonic() before which probes may not bring the replica back."""
+        self.last_chunk_at = 0.0
+        """When the replica last sent a streamed chunk (perf_counter)."""
+        self.reads = 0
+        """Reads waiting now for the next chunk of a response that already sent content
+        (the replica should be streaming it). A stream whose client reads slowly is not
+        read either, so its silence never counts as the replica's."""
+        self.reads_since = 0.0
+        """When `reads` last rose from 0 (perf_counter)."""
+        self.holding: set[Any] = set()
+        """Tries in flight there that have sent nothing to their client yet (each with an
+        `interrupt(why)`): what a stall fails over."""
         self.snapshot: EngineSnapshot | None = None
         self._hit_samples: deque[tuple[float, float, float]] = deque()
         self.engine_hit_ratio: float | None = None

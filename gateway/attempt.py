@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from time import perf_counter
 
+from backends.health import HealthMonitor
 from backends.pool import Pool, ReplicaState
 from gateway.observe import Observer
 from gateway.outcome import Finished, Outcome
@@ -18,12 +20,14 @@ class Attempt:
     failed it) count as finished requests.
     """
 
-    __slots__ = ("_ended", "decision", "observer", "pool", "received_at", "replica", "request",
-                 "saw_first", "sent_at", "traffic_class", "watcher")
+    __slots__ = ("_ended", "_task", "_timer", "decision", "ended_early", "interrupted",
+                 "monitor", "observer", "pool", "received_at", "replica", "request", "saw_first",
+                 "sent_at", "traffic_class", "watcher")
 
     def __init__(self, pool: Pool, replica: ReplicaState, decision: Decision,
                  request: RoutingRequest, traffic_class: str, received_at: float,
-                 observer: Observer, keep_events: bool) -> None:
+                 observer: Observer, keep_events: bool,
+                 monitor: HealthMonitor | None = None) -> None:
         self.pool = pool
         self.replica = replica
         self.decision = decision
@@ -34,6 +38,14 @@ class Attempt:
         self.watcher = StreamWatcher(keep=keep_events)
         self.saw_first = False
         self._ended = False
+        self.monitor = monitor
+        self._timer: asyncio.Timeout | None = None
+        self._task: asyncio.Task | None = None
+        self.interrupted: str | None = None
+        """Why the try was cut short before anything reached the client (client_gone,
+        stalled), None if it was not."""
+        self.ended_early = False
+        """The replica's response was abandoned: drop its connection, do not reuse it."""
         pool.router.dispatched(decision)
         observer.inflight(pool.name, replica.name, 1)
         self.sent_at = perf_counter()
@@ -45,15 +57,54 @@ class Attempt:
         self.watcher.feed(chunk, now)
         router = self.pool.router
         router.chunk(self.replica.name, now)
+        self.replica.last_chunk_at = now
         if not self.saw_first and self.watcher.first_token_at is not None:
             self.saw_first = True
             router.first_token(self.decision, now, self.sent_at)
+            if self._timer is not None:  # first_byte_s bounds the wait for content only
+                self._timer.reschedule(None)
+
+    # Until something reaches the client, the try can be cut short and tried elsewhere.
+
+    def hold(self, timer: asyncio.Timeout | None, task: asyncio.Task | None) -> None:
+        """From now (timer and task given) until `sent()` or `hold(None, None)`, the try may
+        be interrupted: `timer` is its first_byte_s, `task` the one to cancel."""
+        self._timer = timer
+        self._task = task
+        if task is not None:
+            self.replica.holding.add(self)
+        else:
+            self.replica.holding.discard(self)
+
+    def sent(self) -> None:
+        """The response is going to the client: it can no longer be tried elsewhere."""
+        if self._task is not None:
+            self.replica.holding.discard(self)
+            self._task = None
+        if self._timer is not None:
+            self._timer.reschedule(None)
+            self._timer = None
+
+    def interrupt(self, why: str) -> None:
+        """Cut the try short (once): its task is cancelled where it waits."""
+        if self.interrupted is None and self._task is not None:
+            self.interrupted = why
+            self._task.cancel()
+
+    def client_left(self) -> None:
+        self.interrupt("client_gone")
+
+    def failed_mid_stream(self, detail: str, timed_out: bool) -> None:
+        """The replica broke a stream the client was already reading: counts against it."""
+        if self.monitor is not None:
+            self.monitor.request_failed(self.pool, self.replica, detail, hard=not timed_out)
 
     def end(self, outcome: Outcome, status: int = 0) -> None:
         if self._ended:
             return
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
+        self.replica.holding.discard(self)
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from backends.upstream import Timeouts
 from routing.policies import (
     PolicySettingsError,
     policy_class,
@@ -157,6 +158,48 @@ class ReplicaConfig(_Strict):
         return str(self.url).rstrip("/")
 
 
+class UpstreamTimeoutsConfig(_Strict):
+    """How long the pool's replicas are waited for, in seconds; null: no limit. A key left out
+    takes the server's default (connect_s: server.connect_timeout_s, between_chunks_s:
+    server.request_timeout_s; first_byte_s and total_s: no limit)."""
+
+    connect_s: float | None = Field(None, gt=0, description="to open a connection")
+    first_byte_s: float | None = Field(
+        None, gt=0, description="from sending the request to its first content (the first "
+        "generated token of a stream; the response's headers for a non-streaming request "
+        "relayed whole); a try that reaches it has sent nothing to the client and is tried "
+        "on another replica")
+    between_chunks_s: float | None = Field(
+        None, gt=0, description="longest silence between two bytes of the response (its "
+        "headers included)")
+    total_s: float | None = Field(
+        None, gt=0, description="for the whole response: a stream cut by it ends with an "
+        "SSE error event")
+
+
+class EjectionConfig(_Strict):
+    """Passive outlier ejection: live traffic takes a failing or frozen replica out of
+    rotation (docs/operating.md, "Failover and ejection")."""
+
+    consecutive_failures: int = Field(
+        3, ge=1, description="failed requests in a row (5xx, timeouts, bad streams) that "
+        "eject a replica; a broken connection or a 503 ejects it at once")
+    base_s: float = Field(1.0, ge=0.05, le=3600, description="the first ejection's length; "
+                          "each one soon after another lasts twice as long")
+    max_s: float = Field(30.0, ge=0.05, le=86400, description="the longest ejection")
+    stall_s: float = Field(
+        1.0, ge=0, description="a replica that sends no byte for this long (or 20 of its "
+        "recent engine steps, if longer) while the gateway waits to read streams that had "
+        "content from it is ejected, and its requests "
+        "that sent nothing to their client yet are tried elsewhere; 0: off")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> EjectionConfig:
+        if self.base_s > self.max_s:
+            raise ValueError(f"base_s ({self.base_s}) is above max_s ({self.max_s})")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     engine: EngineKind
@@ -177,6 +220,17 @@ class PoolConfig(_Strict):
         0.25, ge=0.0, le=1.0, description="share of the pool's capacity never lent to other "
         "traffic classes (its own classes always keep it)"
     )
+    timeouts: UpstreamTimeoutsConfig = Field(default_factory=UpstreamTimeoutsConfig)
+    ejection: EjectionConfig = Field(default_factory=EjectionConfig)
+
+    def timeouts_for(self, server: ServerConfig) -> Timeouts:
+        """The pool's upstream timeouts, the server's defaults where it sets none."""
+        t = self.timeouts
+        given = t.model_fields_set
+        return Timeouts(
+            connect=t.connect_s if "connect_s" in given else server.connect_timeout_s,
+            read=t.between_chunks_s if "between_chunks_s" in given else server.request_timeout_s,
+            total=t.total_s, first_byte=t.first_byte_s)
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> PoolConfig:

@@ -6,6 +6,8 @@ that holds a parsed request, such as a batch runner.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -41,6 +43,7 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
+_NO_TIMER = contextlib.nullcontext(None)
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
 
 
@@ -68,6 +71,8 @@ class _Failure:
     """Why one try failed before the client got a byte."""
 
     detail: str
+    reason: str
+    """connect, status, read, first_byte_timeout or stalled (the failover metric's label)."""
     never_sent: bool = False
 
 
@@ -100,9 +105,12 @@ class RequestCore:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         cfg = state.config.server
-        # No total timeout: a long generation that keeps streaming must not be cut. A replica
-        # that goes silent for request_timeout_s is given up on.
-        self.timeouts = Timeouts(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s)
+        # By default no total timeout: a long generation that keeps streaming must not be cut.
+        # A replica that goes silent for request_timeout_s is given up on. Pools may set their
+        # own (PoolConfig.timeouts).
+        self.default_timeouts = Timeouts(connect=cfg.connect_timeout_s,
+                                         read=cfg.request_timeout_s)
+        self.timeouts = {p.name: p.timeouts_for(cfg) for p in state.config.pools}
         self.max_attempts = cfg.max_attempts
         self.max_response = cfg.max_response_bytes
         self.route_headers = cfg.response_headers
@@ -211,6 +219,7 @@ class RequestCore:
                         handed_over = True
                     return result
                 last_error = result.detail
+                obs.try_failed(pool.name, name, result.reason)
                 if result.never_sent and i == len(candidates) - 1 and name not in again:
                     # Nothing else to try, and the request never left: a connect that timed
                     # out is as often a CPU-starved host as a replica gone, so try it again.
@@ -296,10 +305,17 @@ class RequestCore:
     async def _attempt(self, call: _Call, replica: ReplicaState, decision: Decision,
                        final: bool, link: ClientLink) -> Reply | _Failure:
         """One try on one replica: a reply for the client, or why nothing reached it (so the
-        caller may try elsewhere)."""
+        caller may try elsewhere).
+
+        Until something reaches the client the try can be interrupted: by the client leaving
+        (the replica's request is dropped, so its engine stops), by the pool's first_byte_s,
+        or by the stall watch finding the replica frozen (the request is tried elsewhere).
+        """
         pool, name = call.pool, replica.name
+        monitor = self.state.monitor
         attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
-                          call.request.received_at, self.state.observer, call.assemble)
+                          call.request.received_at, self.state.observer, call.assemble,
+                          monitor)
         headers = call.headers
         # The pool's (or replica's) own credentials, and only to it; the client's key only to a
         # pool configured to receive it.
@@ -308,67 +324,113 @@ class RequestCore:
         if auth:
             headers = {**headers, "Authorization": auth}
         url = replica.base_url + call.request.path
-        try:
-            try:
-                resp = await self.state.upstream.request(
-                    "POST", url, body=call.body, headers=headers, timeouts=self.timeouts)
-            except ConnectionDropped as exc:
-                resp = await self._resend(call, replica, url, headers, exc)
-        except ConnectFailed as exc:
-            detail = f"{name}: {exc}"
-            self.state.monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
-            attempt.end(Outcome.TRY_ANOTHER)
-            return _Failure(detail, exc.never_sent)
-        except BaseException:  # cancelled, or a bug: the replica's load must still be released
-            attempt.end(Outcome.TRY_ANOTHER)
-            raise
-        if resp.status in _RETRYABLE and not final:
-            detail = f"{name}: HTTP {resp.status}"
-            if resp.status == 503:
-                self.state.monitor.mark_failed(pool, replica, detail)
-            resp.release()
-            attempt.end(Outcome.TRY_ANOTHER)
-            return _Failure(detail)
-        link.attach(resp)
-        extra = self._route_headers(pool, replica, decision)
+        timeouts = self.timeouts.get(pool.name, self.default_timeouts)
+        task = asyncio.current_task()
+        resp: UpstreamResponse | None = None
         streamed = False
         try:
-            if resp.status >= 400:
-                return await relay_error_status(resp, attempt, link, extra,
-                                                self.max_response)
-            if call.request.stream:
-                reply = relay_stream(resp, attempt, link, extra)
-                streamed = True
+            # No timer at all without a first_byte_s: the context costs on every request.
+            async with (_NO_TIMER if timeouts.first_byte is None
+                        else asyncio.timeout(timeouts.first_byte)) as timer:
+                attempt.hold(timer, task)
+                link.interrupt(attempt.client_left)
+                try:
+                    resp = await self._send(call, replica, url, headers, timeouts)
+                finally:
+                    link.interrupt(None)
+                if resp.status in _RETRYABLE and not final:
+                    detail = f"{name}: HTTP {resp.status}"
+                    monitor.request_failed(pool, replica, detail, hard=resp.status == 503)
+                    attempt.end(Outcome.TRY_ANOTHER)
+                    return _Failure(detail, "status")
+                link.attach(resp)
+                extra = self._route_headers(pool, replica, decision)
+                if resp.status >= 400:
+                    if resp.status >= 500:
+                        monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
+                    attempt.sent()
+                    return await relay_error_status(resp, attempt, link, extra,
+                                                    self.max_response)
+                if call.request.stream:
+                    reply = await relay_stream(resp, attempt, link, extra)
+                    streamed = isinstance(reply.body, StreamBody)
+                elif call.assemble:
+                    reply = await relay_assembled(resp, attempt, link, extra,
+                                                  call.request.chat, self.max_response)
+                else:
+                    attempt.sent()  # the body is read whole: its first byte is its headers
+                    reply = await relay_passthrough(resp, attempt, link, extra,
+                                                    self.max_response)
+                attempt.sent()
+                if reply.status < 500:
+                    monitor.request_succeeded(pool, replica)
                 return reply
-            if call.assemble:
-                return await relay_assembled(resp, attempt, link, extra, call.request.chat,
-                                             self.max_response)
-            return await relay_passthrough(resp, attempt, link, extra, self.max_response)
+        except ConnectFailed as exc:
+            detail = f"{name}: {exc}"
+            monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
+            attempt.end(Outcome.TRY_ANOTHER)
+            return _Failure(detail, "connect", exc.never_sent)
         except ReadFailure as exc:
             # Nothing reached the client yet: another replica may still answer.
             detail = f"{name}: {exc.detail.split(':', 1)[0]} while reading the response"
-            self.state.monitor.mark_failed(pool, replica, detail)
-            if not final:
-                attempt.end(Outcome.TRY_ANOTHER)
-                return _Failure(detail)
-            attempt.end(Outcome.FAILED)
-            log.warning("502 to the client: %s/%s", pool.name, detail)
-            return error_reply(upstream_failed(pool.name))
+            monitor.request_failed(pool, replica, detail, hard=exc.broken)
+            return self._failed_before_content(call, attempt, detail, "read", final)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            why = attempt.interrupted
+            attempt.ended_early = True
+            if isinstance(exc, asyncio.CancelledError):
+                if why is None or task is None or task.uncancel():
+                    raise  # cancelled from outside (shutdown), not by this try
+            elif why is None:
+                why = "first_byte_timeout"
+            if why == "client_gone":
+                attempt.end(Outcome.CLIENT_GONE)
+                return Reply(499, [], b"")
+            detail = (f"{name}: no content within first_byte_s ({timeouts.first_byte} s)"
+                      if why == "first_byte_timeout" else f"{name}: {why}")
+            if why == "first_byte_timeout":
+                monitor.request_failed(pool, replica, detail)
+            return self._failed_before_content(call, attempt, detail, why, final)
         finally:
-            if not streamed:  # a stream releases its response when it ends
-                link.upstream = None
-                resp.release()
-                attempt.end(Outcome.TRY_ANOTHER)  # no-op unless a bug skipped the ending
+            attempt.hold(None, None)
+            if not streamed:  # a stream releases its response and ends its try at its end
+                if resp is not None:
+                    link.upstream = None
+                    if attempt.ended_early:
+                        resp.abort()  # drop the connection: the replica stops generating
+                    resp.release()
+                attempt.end(Outcome.TRY_ANOTHER)  # no-op unless cancelled or a bug
+
+    def _failed_before_content(self, call: _Call, attempt: Attempt, detail: str, reason: str,
+                               final: bool) -> Reply | _Failure:
+        attempt.ended_early = True
+        if not final:
+            attempt.end(Outcome.TRY_ANOTHER)
+            return _Failure(detail, reason)
+        attempt.end(Outcome.FAILED)
+        self.state.observer.try_failed(call.pool.name, attempt.replica.name, reason)
+        # The detail names the replica and its failure: for the log, not the client.
+        log.warning("502 to the client: %s/%s", call.pool.name, detail)
+        return error_reply(upstream_failed(call.pool.name))
+
+    async def _send(self, call: _Call, replica: ReplicaState, url: str,
+                    headers: dict[str, str], timeouts: Timeouts) -> UpstreamResponse:
+        try:
+            return await self.state.upstream.request(
+                "POST", url, body=call.body, headers=headers, timeouts=timeouts)
+        except ConnectionDropped as exc:
+            return await self._resend(call, replica, url, headers, exc, timeouts)
 
     async def _resend(self, call: _Call, replica: ReplicaState, url: str,
-                      headers: dict[str, str], exc: ConnectionDropped) -> UpstreamResponse:
+                      headers: dict[str, str], exc: ConnectionDropped,
+                      timeouts: Timeouts) -> UpstreamResponse:
         """Once more on a new connection: a kept-alive one was closed under the request (the
         engine's idle timeout firing as it was reused), so nothing was answered and the
         replica is fine."""
         log.info("resending to %s/%s on a new connection: %s", call.pool.name, replica.name, exc)
         self.state.observer.resent(call.pool.name, replica.name)
         return await self.state.upstream.request("POST", url, body=call.body, headers=headers,
-                                                 timeouts=self.timeouts, fresh_connection=True)
+                                                 timeouts=timeouts, fresh_connection=True)
 
     def _route_headers(self, pool: Pool, replica: ReplicaState,
                        decision: Decision) -> list[tuple[bytes, bytes]]:

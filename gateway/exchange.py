@@ -99,6 +99,11 @@ class ClientLink:
         else:
             self.watch()
 
+    def interrupt(self, on_gone: Callable[[], None] | None) -> None:
+        """While a replica has not answered yet: `on_gone` interrupts the wait if the client
+        leaves (called at once if it already has). None: the wait is over."""
+        self.queued(on_gone)
+
     def attach(self, upstream: UpstreamResponse) -> None:
         """The response now being read; dropped at once if the client has already left."""
         self.upstream = upstream

@@ -131,6 +131,18 @@ class GatewayMetrics:
             "use), rate_limited (429: a key's or class's budget per minute). Surface: "
             "inference, api (other /v1 routes), admin, metrics; traffic_class 'none' when "
             "not known yet.", ("surface", "traffic_class", "reason"))
+        # Faults: tries that failed before the client got anything, and passive ejection.
+        self.tries_failed = CounterFamily(
+            "gateway_tries_failed", "Tries that failed before anything reached the client, by "
+            "reason (connect, status: 502/503/504, read: the response broke or was garbage, "
+            "first_byte_timeout, stalled); each is tried on another replica while attempts "
+            "remain (see gateway_retries).", ("pool", "replica", "reason"))
+        self.ejections = CounterFamily(
+            "gateway_replica_ejections", "Replicas taken out of rotation by live traffic, by "
+            "reason: broken (a connection broke, or 503), consecutive_failures (5xx, "
+            "timeouts in a row), stalled (no byte for stall_s while streams that had content "
+            "wait).",
+            ("pool", "replica", "reason"))
         self.registry.register(FamilyCollector(self.families()))
 
     def families(self) -> list[Family]:

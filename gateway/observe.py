@@ -44,6 +44,13 @@ class Observer:
     def retried(self, pool: str, replica: str) -> None:
         self.m.retries.inc((pool, replica))
 
+    def try_failed(self, pool: str, replica: str, reason: str) -> None:
+        """A try failed before anything reached the client."""
+        self.m.tries_failed.inc((pool, replica, reason))
+
+    def ejected(self, pool: str, replica: str, reason: str) -> None:
+        self.m.ejections.inc((pool, replica, reason))
+
     def resent(self, pool: str, replica: str) -> None:
         self.m.resends.inc((pool, replica))
 

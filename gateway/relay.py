@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from time import perf_counter
 
 import orjson
 
@@ -23,9 +24,11 @@ DEFAULT_MAX_RESPONSE = 64 * 1024 * 1024
 class ReadFailure(Exception):
     """The body could not be read before anything reached the client: try elsewhere."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, broken: bool = False) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.broken = broken
+        """The connection broke (not a timeout, not a bad answer): the replica is likely gone."""
 
 
 def _length(data: bytes) -> tuple[bytes, bytes]:
@@ -74,19 +77,44 @@ async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: Client
     """A non-streaming request the gateway streamed from the replica (to time it): the JSON
     response is rebuilt from the stream's events, which are held until then: at most `limit`
     bytes of them."""
+    last = b""
     size = 0
+    replica = attempt.replica
+    chunks = resp.chunks()
     try:
-        async for chunk in resp.chunks():
+        while True:
+            # After the first content, a wait for the next chunk is one the stall watch sees.
+            waiting = attempt.saw_first
+            if waiting:
+                if not replica.reads:
+                    replica.reads_since = perf_counter()
+                replica.reads += 1
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            finally:
+                if waiting:
+                    replica.reads -= 1
             size += len(chunk)
             if size > limit:
                 return _too_large(resp, attempt, extra, limit)
             attempt.observe(chunk)
+            last = chunk
     except ReadFailed as exc:
         if link.gone:
             attempt.end(Outcome.CLIENT_GONE)
             return Reply(499, [], b"")
-        raise ReadFailure(str(exc)) from None
+        raise ReadFailure(str(exc), not exc.timed_out) from None
     watcher = attempt.watcher
+    if watcher.first_token_at is None:
+        # Nothing generated: a replica that broke (an error event, a stream cut short, not
+        # SSE at all) is tried elsewhere; a stream the engine ended with [DONE] is an answer.
+        if watcher.error is not None:
+            raise ReadFailure("StreamError: the replica sent an error event before any "
+                              f"content: {_error_text(watcher.error)}")
+        if b"[DONE]" not in last:
+            raise ReadFailure("EmptyStream: the stream ended before any content")
     if watcher.error is not None:
         body, status, outcome = orjson.dumps(watcher.error), 502, Outcome.FAILED
     else:
@@ -110,24 +138,72 @@ def _too_large(resp: UpstreamResponse, attempt: Attempt, extra: list[tuple[bytes
     return Reply(502, [*JSON_HEADERS, _length(body), *extra], body)
 
 
-def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                 extra: list[tuple[bytes, bytes]]) -> Reply:
-    """A stream, chunk by chunk as the replica sends it. Once its headers are out it cannot
-    be replayed elsewhere: a replica failing mid-stream ends it with an SSE error event."""
-    return Reply(resp.status, [*SSE_HEADERS, *extra], StreamBody(resp, attempt, link))
+HOLD_LIMIT = 1024 * 1024
+"""Most bytes of a stream held back while waiting for its first content."""
+
+
+async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                       extra: list[tuple[bytes, bytes]]) -> Reply:
+    """A stream, chunk by chunk as the replica sends it, from its first content on.
+
+    What comes before the first generated content (the role-only first event of vLLM's chat
+    streams, keep-alive comments) is held back with the response's headers: until content
+    arrives nothing has reached the client, so a replica that fails before it (dies, answers
+    garbage, ends the stream without content or with an error event) raises ReadFailure and
+    the request is tried on another replica as a non-streaming one would be. Once content has
+    gone out, a replica failing mid-stream ends the stream with an SSE error event.
+    """
+    chunks = resp.chunks()
+    watcher = attempt.watcher
+    held: list[bytes] = []
+    size = 0
+    try:
+        while watcher.first_token_at is None:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                # Ended without content: fine if the engine said so ([DONE]), else it broke.
+                if b"[DONE]" not in b"".join(held[-2:]):
+                    raise ReadFailure("EmptyStream: the stream ended before any content"
+                                      ) from None
+                break
+            attempt.observe(chunk)
+            held.append(chunk)
+            size += len(chunk)
+            if watcher.error is not None:
+                raise ReadFailure("StreamError: the replica sent an error event before any "
+                                  f"content: {_error_text(watcher.error)}")
+            if size > HOLD_LIMIT:
+                raise ReadFailure(f"NoContent: no content in the first {HOLD_LIMIT} bytes")
+    except ReadFailed as exc:
+        if link.gone:
+            attempt.end(Outcome.CLIENT_GONE)
+            return Reply(499, [], b"")
+        raise ReadFailure(str(exc), not exc.timed_out) from None
+    return Reply(resp.status, [*SSE_HEADERS, *extra],
+                 StreamBody(resp, attempt, link, chunks, b"".join(held)))
+
+
+def _error_text(error: dict) -> str:
+    inner = error.get("error")
+    message = inner.get("message") if isinstance(inner, dict) else inner
+    return str(message)[:200]
 
 
 class StreamBody:
     """The replica's stream as the client's body. Whoever consumes it must `aclose()` it (a
     class, not a generator: an unstarted generator's `finally` never runs)."""
 
-    __slots__ = ("_attempt", "_chunks", "_done", "_link", "_resp", "on_end")
+    __slots__ = ("_attempt", "_chunks", "_done", "_held", "_link", "_resp", "on_end")
 
-    def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink) -> None:
+    def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
+                 chunks: AsyncIterator[bytes], held: bytes) -> None:
         self._resp = resp
         self._attempt = attempt
         self._link = link
-        self._chunks = resp.chunks()
+        self._chunks = chunks
+        self._held = held
+        """What came before the first content (and the content itself): sent first."""
         self._done = False
         self.on_end: Callable[[], None] | None = None
         """Called once when the stream ends, however it ends (releases its admission slot)."""
@@ -138,6 +214,14 @@ class StreamBody:
     async def __anext__(self) -> bytes:
         if self._done:
             raise StopAsyncIteration
+        if self._held:
+            held, self._held = self._held, b""
+            return held
+        # A wait the stall watch sees (this stream had content: its replica should send).
+        replica = self._attempt.replica
+        if not replica.reads:
+            replica.reads_since = perf_counter()
+        replica.reads += 1
         try:
             chunk = await anext(self._chunks)
         except StopAsyncIteration:
@@ -151,10 +235,15 @@ class StreamBody:
             # What failed, and where, is for the log: an upstream message may name its host.
             log.warning("stream from %s/%s failed mid-way: %s", self._attempt.pool.name,
                         self._attempt.replica.name, exc)
+            self._attempt.failed_mid_stream(
+                f"{self._attempt.replica.name}: {str(exc).split(':', 1)[0]} mid-stream",
+                exc.timed_out)
             return b"data: " + orjson.dumps({"error": {
                 "message": f"replica {self._attempt.replica.name} failed mid-stream; retry "
                            "the request",
                 "type": "upstream_error", "param": None, "code": "upstream_failed"}}) + b"\n\n"
+        finally:
+            replica.reads -= 1
         self._attempt.observe(chunk)
         return chunk
 
@@ -187,7 +276,7 @@ async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
             chunks.append(chunk)
     except ReadFailed as exc:
         if not link.gone:
-            raise ReadFailure(str(exc)) from None
+            raise ReadFailure(str(exc), not exc.timed_out) from None
         chunks = []
     data = b"".join(chunks)
     attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)

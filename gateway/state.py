@@ -75,3 +75,6 @@ class HealthEvents:
 
     def step_timing(self, pool: Pool) -> None:
         self.observer.step_timing(pool)
+
+    def ejected(self, pool: str, replica: str, reason: str) -> None:
+        self.observer.ejected(pool, replica, reason)

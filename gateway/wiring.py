@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends.pool import HealthTiming, Pool, PoolSpec, ReplicaSpec
+from backends.pool import Ejection, HealthTiming, Pool, PoolSpec, ReplicaSpec
 from gateway.config import GatewayConfig, PoolConfig, RoutingSettings
 from routing import Router, build_policy
 
@@ -33,6 +33,7 @@ def pool_spec(cfg: PoolConfig, routing: RoutingSettings) -> PoolSpec:
         hashing=routing.hashing,
         token_block_size=routing.token_block_size,
         learn_chars_per_token=routing.learn_chars_per_token,
+        ejection=Ejection(**cfg.ejection.model_dump()),
     )
 
 

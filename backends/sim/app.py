@@ -58,6 +58,8 @@ class SimApp:
     def __init__(self, replica: SimReplica) -> None:
         self.replica = replica
         self.failing = False
+        self.garbage: str | None = None
+        """A /sim/garbage mode: inference requests get that garbage instead of answers."""
         self.drop_reused = 0
         self.registry = prometheus_registry(replica)
         self.routes = _routes(replica.spec)
@@ -104,11 +106,15 @@ class SimApp:
     async def chat_completions(self, request: SimRequest) -> SimResponse:
         if self.failing:
             return control.unavailable()
+        if self.garbage is not None:
+            return control.garbage_response(self.garbage)
         return await complete(self.replica, request, chat=True)
 
     async def completions(self, request: SimRequest) -> SimResponse:
         if self.failing:
             return control.unavailable()
+        if self.garbage is not None:
+            return control.garbage_response(self.garbage)
         return await complete(self.replica, request, chat=False)
 
     async def models(self, request: SimRequest) -> SimResponse:
@@ -189,6 +195,7 @@ def _routes(spec: SimReplicaSpec) -> dict[str, dict[str, Handler]]:
         ("/sim/fail", control.fail),
         ("/sim/recover", control.recover),
         ("/sim/drop_reused", control.drop_reused),
+        ("/sim/garbage", control.garbage),
     ]
     if spec.kind == "vllm":
         get.append(("/metrics", SimApp.prometheus))

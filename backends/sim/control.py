@@ -1,4 +1,5 @@
-"""The /sim/ test controls of a simulated replica: fail, recover, drop reused connections, state.
+"""The /sim/ test controls of a simulated replica: fail, recover, drop reused connections,
+answer garbage, state.
 
 /sim/drop_reused makes the next N inference requests that arrive on a kept-alive connection
 find it closed, as when an engine's idle timeout fires the moment a client reuses the
@@ -46,6 +47,29 @@ async def drop_reused(app: SimApp, request: SimRequest) -> SimResponse:
         return error_response(400, "count must be a non-negative integer.", "BadRequestError")
     app.drop_reused = count
     return json_response({"drop_reused": count})
+
+
+GARBAGE = {
+    # A proxy's error page where an engine's answer should be.
+    "html": ("text/html", b"<html><body>502 upstream gone</body></html>"),
+    # An event stream that is not one: an event that is not JSON, then a cut-off [DONE].
+    "malformed_sse": ("text/event-stream", b'data: {"choices": [{"delta": \n\ndata: [DON'),
+}
+
+
+def garbage_response(mode: str) -> SimResponse:
+    content_type, body = GARBAGE[mode]
+    return SimResponse(200, {"Content-Type": content_type}, body)
+
+
+async def garbage(app: SimApp, request: SimRequest) -> SimResponse:
+    """Inference requests get `mode`'s garbage (html, malformed_sse) with a 200; off: heal."""
+    mode = read_json(request).get("mode", "html")
+    if mode != "off" and mode not in GARBAGE:
+        return error_response(400, f"mode must be off or one of {sorted(GARBAGE)}.",
+                              "BadRequestError")
+    app.garbage = None if mode == "off" else mode
+    return json_response({"garbage": mode})
 
 
 async def state(app: SimApp, request: SimRequest) -> SimResponse:

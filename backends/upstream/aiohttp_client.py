@@ -19,6 +19,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
+def _read_failed(exc: BaseException) -> ReadFailed:
+    """`exc` as a ReadFailed, its traceback dropped.
+
+    aiohttp raises one module-level exception object (`Connection closed`) for every response
+    closed while its body is read (the client left and the stream was aborted). Each raise
+    adds the frames it passes through to that one object's traceback, so without this every
+    abandoned response's reader, buffer and caller frames stay alive for good (aiohttp 3.14).
+    """
+    failed = ReadFailed(_describe(exc), timed_out=isinstance(exc, TimeoutError))
+    exc.__traceback__ = None
+    return failed
+
+
 def _dropped_under_us(exc: BaseException) -> bool:
     """The connection was dropped before any answer; not a refused connect, not a timeout."""
     if isinstance(exc, TimeoutError | aiohttp.ClientConnectorError):
@@ -42,7 +55,7 @@ class _Chunks:
         try:
             chunk = await self._content.readany()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ReadFailed(_describe(exc), timed_out=isinstance(exc, TimeoutError)) from None
+            raise _read_failed(exc) from None
         if not chunk:
             raise StopAsyncIteration
         return chunk
@@ -69,7 +82,7 @@ class AiohttpResponse:
         try:
             return await self._resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ReadFailed(_describe(exc), timed_out=isinstance(exc, TimeoutError)) from None
+            raise _read_failed(exc) from None
 
     def abort(self) -> None:
         self._resp.close()

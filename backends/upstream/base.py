@@ -15,6 +15,11 @@ class Timeouts:
     read: float | None = None
     """Longest silence between two bytes of the response (headers included)."""
     total: float | None = None
+    """Longest time for the whole exchange, from sending to the last byte."""
+    first_byte: float | None = None
+    """Longest wait for the response's first content. Not a transport limit: the caller
+    enforces it (it knows what counts as content, e.g. the first generated token of a
+    stream), so it holds whatever the transport."""
 
 
 NO_TIMEOUTS = Timeouts()

@@ -37,12 +37,15 @@ Handler = Callable[[str, str, Mapping[str, str], bytes], Awaitable[HandlerRespon
 class InProcessResponse:
     """A handler's answer behind the UpstreamResponse protocol, with the transport's timeouts."""
 
-    def __init__(self, answer: HandlerResponse, read_timeout: float | None) -> None:
+    def __init__(self, answer: HandlerResponse, read_timeout: float | None,
+                 deadline: float | None = None) -> None:
         self.status = answer.status
         headers = {k.lower(): v for k, v in answer.headers.items()}
         self.content_type = headers.get("content-type", "application/json")
         self._body = answer.body
         self._read_timeout = read_timeout
+        self._deadline = deadline
+        """loop.time() by which the whole body must have arrived (Timeouts.total)."""
         self._aborted = False
         self._iter: AsyncIterator[bytes] | None = None
         self._reading: asyncio.Future[bytes] | None = None
@@ -58,7 +61,7 @@ class InProcessResponse:
                 raise ReadFailed("ClientConnectionError: connection closed")
             # A task per read, so that abort() can interrupt a handler that is waiting.
             self._reading = asyncio.ensure_future(
-                asyncio.wait_for(anext(self._iter), self._read_timeout))
+                asyncio.wait_for(anext(self._iter), _limit(self._read_timeout, self._deadline)))
             try:
                 chunk = await self._reading
             except StopAsyncIteration:
@@ -103,6 +106,15 @@ class InProcessResponse:
             task.add_done_callback(_ignore_result)
 
 
+def _limit(read: float | None, deadline: float | None) -> float | None:
+    """The wait allowed for the next byte: the read timeout, or less if the total's
+    deadline comes first."""
+    if deadline is None:
+        return read
+    left = max(0.0, deadline - asyncio.get_running_loop().time())
+    return left if read is None else min(read, left)
+
+
 def _ignore_result(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
@@ -135,10 +147,13 @@ class InProcessUpstream:
         if handler is None:
             raise ConnectFailed("ClientConnectorError: connection refused")
         path = parts.path + (f"?{parts.query}" if parts.query else "")
-        limit = timeouts.read if timeouts.read is not None else timeouts.total
+        deadline = None
+        if timeouts.total is not None:
+            deadline = asyncio.get_running_loop().time() + timeouts.total
         try:
             answer = await asyncio.wait_for(handler(method, path, dict(headers or {}),
-                                                    body or b""), limit)
+                                                    body or b""),
+                                            _limit(timeouts.read, deadline))
         except TimeoutError:
             raise ConnectFailed("TimeoutError: no response within the timeout",
                                 timed_out=True) from None
@@ -147,7 +162,7 @@ class InProcessUpstream:
         except Exception as exc:
             raise ConnectFailed(f"ServerDisconnectedError: {type(exc).__name__}: {exc}"
                                 ) from None
-        return InProcessResponse(answer, limit)
+        return InProcessResponse(answer, timeouts.read, deadline)
 
     async def aclose(self) -> None:
         return None

@@ -1,0 +1,359 @@
+"""Failover that wastes no request, upstream timeouts and passive ejection, in process.
+
+Each test puts a faulty replica (a few lines of handler) beside simulated ones and checks what
+the client gets (through the official openai client) and what the gateway makes of the
+replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from time import perf_counter
+from typing import Any
+
+import orjson
+import pytest
+
+from backends.upstream.inprocess import Handler, HandlerResponse
+from gateway.config import ConfigError, parse_config
+from gateway.exchange import InferenceRequest
+from tests.conftest import eventually
+from tests.inprocess import Harness, gateway, two_pools
+
+
+def config(slow_probes: bool = True, *, timeouts: dict | None = None,
+           ejection: dict | None = None, realtime: int = 2) -> dict[str, Any]:
+    """Two realtime replicas; probes slow enough (by default) that only live traffic can
+    take a replica out of rotation."""
+    cfg = two_pools(realtime=realtime, batch=1)
+    rt = cfg["pools"][0]
+    if slow_probes:
+        rt["health"] = {**rt["health"], "interval_s": 30}
+    if timeouts:
+        rt["timeouts"] = timeouts
+    if ejection:
+        rt["ejection"] = ejection
+    return cfg
+
+
+def event(content: str | None = None, role: bool = False) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    ev = {"id": "c", "object": "chat.completion.chunk", "model": "tiny",
+          "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(ev) + b"\n\n"
+
+
+def replica(answer: Callable[[], HandlerResponse]) -> Handler:
+    """Healthy to probes, no metrics; every inference request gets `answer()`."""
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        return answer()
+
+    return handle
+
+
+def sse(chunks: Callable[[], AsyncIterator[bytes]]) -> Handler:
+    return replica(lambda: HandlerResponse(200, chunks(), {"content-type": "text/event-stream"}))
+
+
+async def _dies_after_role() -> AsyncIterator[bytes]:
+    yield event(role=True)  # vLLM's first chat event: a role, no content yet
+    raise ConnectionResetError("replica killed")
+
+
+async def _error_event() -> AsyncIterator[bytes]:
+    yield event(role=True)
+    yield b'data: {"error": {"message": "engine dead", "type": "InternalServerError"}}\n\n'
+
+
+async def _ends_early() -> AsyncIterator[bytes]:
+    yield event(role=True)  # and the stream ends: no content, no [DONE]
+
+
+async def _never_content() -> AsyncIterator[bytes]:
+    yield b": keep-alive\n\n"
+    await asyncio.Event().wait()
+    yield b""  # unreachable; makes this a generator
+
+
+FAULTS: dict[str, Handler] = {
+    "killed_before_content": sse(_dies_after_role),
+    "error_event_before_content": sse(_error_event),
+    "ended_without_content": sse(_ends_early),
+    "garbage": replica(lambda: HandlerResponse(200, b"<html>upstream proxy error</html>",
+                                               {"content-type": "text/html"})),
+    "never_content": sse(_never_content),
+}
+
+
+async def _until_faulty_tried(gw: Harness, faulty: str, ask) -> list[Any]:
+    """Send requests with new prompts until one was routed to `faulty` first; every one of
+    them must get a full answer."""
+    answers = []
+    for i in range(20):
+        answers.append(await ask(f"question {i} " * 30))
+        if any(faulty in url for _, url in gw.upstream.requests if "/v1/" in url):
+            return answers
+    raise AssertionError(f"no request was routed to {faulty}")
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_replica_failing_before_any_content_costs_no_request(fault: str,
+                                                                     stream: bool) -> None:
+    cfg = config(timeouts={"first_byte_s": 0.5})
+    async with gateway(cfg, handlers={"rt-0": FAULTS[fault]}) as gw:
+        c = gw.openai()
+
+        async def ask(prompt: str) -> tuple[str, str]:
+            raw = await c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                stream=stream)
+            if stream:
+                text = "".join([ch.choices[0].delta.content or "" async for ch in raw.parse()
+                                if ch.choices])
+            else:
+                text = raw.parse().choices[0].message.content
+            return raw.headers["x-gateway-replica"], text
+
+        for served_by, text in await _until_faulty_tried(gw, gw.urls["rt-0"], ask):
+            assert served_by == "rt-1" and text  # the whole answer, from the other replica
+        samples = await gw.metrics()
+        failed = {s.labels["reason"]: s.value for s in samples
+                  if s.name == "gateway_tries_failed_total" and s.labels["replica"] == "rt-0"}
+        assert sum(failed.values()) >= 1
+        if fault == "never_content":
+            assert set(failed) == {"first_byte_timeout"}
+
+
+async def _broken_after_content() -> AsyncIterator[bytes]:
+    yield event(role=True)
+    yield event("Hello")
+    raise ConnectionResetError("replica killed")
+
+
+async def test_a_stream_broken_after_content_ends_with_an_error_and_ejects_the_replica() -> None:
+    async with gateway(config(realtime=1), handlers={"rt-0": sse(_broken_after_content)}) as gw:
+        r = await gw.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 200
+        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert orjson.loads(events[1])["choices"][0]["delta"]["content"] == "Hello"
+        assert orjson.loads(events[-1])["error"]["code"] == "upstream_failed"
+        replica = gw.app.state.pools[0].replicas["rt-0"]
+        assert not replica.healthy  # out of rotation, although its health checks pass
+        samples = await gw.metrics()
+        assert any(s.name == "gateway_replica_ejections_total" and s.value == 1
+                   and s.labels == {"pool": "realtime", "replica": "rt-0", "reason": "broken"}
+                   for s in samples)
+        # With it out, the pool has no replica left: a clear 503, not a try on a dead one.
+        again = await gw.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert again.status_code == 503
+
+
+async def test_failures_in_a_row_eject_and_probes_bring_the_replica_back_later() -> None:
+    answer500 = replica(lambda: HandlerResponse(500, b'{"error": "boom"}'))
+    cfg = config(slow_probes=False, realtime=1,
+                 ejection={"consecutive_failures": 3, "base_s": 0.5, "max_s": 5})
+    async with gateway(cfg, handlers={"rt-0": answer500}) as gw:
+        r0 = gw.app.state.pools[0].replicas["rt-0"]
+        for _ in range(2):
+            r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert r.status_code == 500
+        assert r0.healthy  # two failures are not yet an outlier
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 500 and not r0.healthy and r0.ejections == 1
+        # Its probes pass (every 0.1 s), but it stays out until its ejection is over.
+        loop = asyncio.get_running_loop()
+        ejected_at = loop.time()
+        await eventually(lambda: r0.healthy)
+        assert loop.time() - ejected_at >= 0.5 - 0.01
+        # Ejected again soon after: for twice as long.
+        for _ in range(3):
+            await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert not r0.healthy and r0.ejections == 2
+
+
+def freezable() -> tuple[Handler, asyncio.Event]:
+    """A replica streaming max_tokens tokens, one every 20 ms, until `frozen` is set; from
+    then on it sends nothing at all (as a SIGSTOPped process), to old and new requests."""
+    frozen = asyncio.Event()
+
+    async def tokens(n: int) -> AsyncIterator[bytes]:
+        await asyncio.sleep(0)
+        if frozen.is_set():
+            await asyncio.Event().wait()
+        yield event(role=True)
+        for i in range(n):
+            await asyncio.sleep(0.02)
+            if frozen.is_set():
+                await asyncio.Event().wait()
+            yield event(f"t{i} ")
+        yield b"data: [DONE]\n\n"
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        n = orjson.loads(body).get("max_tokens") or 10_000
+        return HandlerResponse(200, tokens(n), {"content-type": "text/event-stream"})
+
+    return handle, frozen
+
+
+async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere() -> None:
+    h0, f0 = freezable()
+    h1, f1 = freezable()
+    frozen_flags = {"rt-0": f0, "rt-1": f1}
+    cfg = config(ejection={"stall_s": 0.5})
+    async with gateway(cfg, handlers={"rt-0": h0, "rt-1": h1}) as gw:
+        payload = {"model": "tiny", "stream": True,
+                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
+        # A long stream, read through the request core (the in-process HTTP client would wait
+        # for its end).
+        first = await gw.app.core.handle(InferenceRequest(
+            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
+        home = dict(first.headers)[b"x-gateway-replica"].decode()
+        other = ({"rt-0", "rt-1"} - {home}).pop()
+        assert b"t0" in await anext(first.body)  # it is streaming from its home
+
+        async def read_on() -> None:  # as its client does
+            async for _ in first.body:
+                pass
+
+        reader = asyncio.create_task(read_on())
+        frozen_flags[home].set()
+        # Same prompt, same home: this one waits there for content that never comes, until
+        # the stall watch sees the home silent with a stream decoding and fails it over.
+        second = await gw.openai().chat.completions.with_raw_response.create(
+            model="tiny", messages=payload["messages"], stream=True, max_tokens=3)
+        assert second.headers["x-gateway-replica"] == other
+        assert len([ch async for ch in second.parse()]) == 4
+        replica = gw.app.state.pools[0].replicas[home]
+        assert not replica.healthy
+        samples = await gw.metrics()
+        assert any(s.name == "gateway_replica_ejections_total" and s.labels["reason"] ==
+                   "stalled" and s.labels["replica"] == home and s.value == 1 for s in samples)
+        assert any(s.name == "gateway_tries_failed_total" and s.labels["reason"] == "stalled"
+                   and s.value == 1 for s in samples)
+        reader.cancel()
+        await first.body.aclose()
+
+
+async def _slow_tokens() -> AsyncIterator[bytes]:
+    yield event(role=True)
+    yield event("first ")
+    await asyncio.sleep(30)  # far beyond the limits under test
+    yield event("late")
+
+
+@pytest.mark.parametrize("limit", [{"total_s": 0.3}, {"between_chunks_s": 0.3}])
+async def test_pool_timeouts_cut_a_silent_stream_with_an_error_event(
+        limit: dict, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config(realtime=1, timeouts=limit)
+    async with gateway(cfg, handlers={"rt-0": sse(_slow_tokens)}) as gw:
+        r = await gw.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert orjson.loads(events[1])["choices"][0]["delta"]["content"] == "first "
+        assert orjson.loads(events[-1])["error"]["code"] == "upstream_failed"
+        assert "TimeoutError" in caplog.text  # the cause is logged, not told to the client
+
+
+async def test_a_client_leaving_before_headers_drops_the_replicas_request() -> None:
+    answered = asyncio.Event()
+    dropped = asyncio.Event()
+
+    async def silent(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        answered.set()
+        try:
+            await asyncio.Event().wait()  # an engine that answers only when done
+        finally:
+            dropped.set()
+        raise AssertionError("unreachable")
+
+    async with gateway(config(realtime=1), handlers={"rt-0": silent}) as gw:
+        app = gw.app
+        sent: list[dict] = []
+        left = asyncio.Event()
+        body = orjson.dumps({"model": "tiny", "prompt": "x"})
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        handling = asyncio.create_task(app(scope, receive, send))
+        await answered.wait()
+        left.set()
+        await asyncio.wait_for(dropped.wait(), 10)
+        await handling
+        assert gw.app.state.pools[0].load.inflight == {"rt-0": 0}
+        samples = await gw.metrics()
+        assert any(s.name == "gateway_requests_total" and s.labels["status"] == "499"
+                   and s.value == 1 for s in samples)
+
+
+def test_pool_timeouts_default_to_the_servers_and_null_means_no_limit() -> None:
+    cfg = two_pools(realtime=1, batch=1)
+    cfg["server"] = {"connect_timeout_s": 2.5, "request_timeout_s": 100}
+    cfg["pools"][1]["timeouts"] = {"connect_s": None, "first_byte_s": 5, "total_s": 60}
+    parsed = parse_config(cfg)
+    rt, bt = (p.timeouts_for(parsed.server) for p in parsed.pools)
+    assert (rt.connect, rt.read, rt.first_byte, rt.total) == (2.5, 100, None, None)
+    assert (bt.connect, bt.read, bt.first_byte, bt.total) == (None, 100, 5, 60)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("ejection", {"base_s": 10, "max_s": 1}, "above max_s"),
+    ("ejection", {"consecutive_failures": 0}, "greater than or equal to 1"),
+    ("timeouts", {"first_byte_s": 0}, "greater than 0"),
+    ("timeouts", {"read_s": 1}, "unknown key"),
+])
+def test_bad_timeouts_and_ejection_settings_are_rejected(key: str, value: dict,
+                                                         message: str) -> None:
+    cfg = two_pools(realtime=1, batch=1)
+    cfg["pools"][0][key] = value
+    with pytest.raises(ConfigError, match=message):
+        parse_config(cfg)
+
+
+async def test_only_a_wait_for_the_replica_counts_as_its_silence() -> None:
+    async with gateway(config(ejection={"stall_s": 0.5})) as gw:
+        pool = gw.app.state.pools[0]
+        r0 = pool.replicas["rt-0"]
+        monitor = gw.app.state.monitor
+        now = perf_counter()
+        r0.last_chunk_at = now - 60  # silent for a minute...
+        monitor.check_stalls(pool, now)
+        # ...but nothing waited for it (a stream whose client reads slowly is not read).
+        assert r0.healthy
+        r0.reads, r0.reads_since = 1, now - 0.2  # a read waiting for 0.2 s: not yet
+        monitor.check_stalls(pool, now)
+        assert r0.healthy
+        r0.reads_since = now - 0.6
+        monitor.check_stalls(pool, now)
+        assert not r0.healthy and "stalled" in r0.last_error
+        r0.reads = 0

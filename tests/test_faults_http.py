@@ -1,0 +1,218 @@
+"""Fault injection against real processes: a gateway process in front of simulated replica
+processes on loopback, replicas killed (SIGKILL) or frozen (SIGSTOP) under requests.
+
+Health checks are slowed to 30 s in these gateways, so whatever takes a replica out of rotation
+here is the request path itself (failover, ejection, the stall watch), not the prober.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway import processes
+from tests.conftest import Gateway, Sims, poll, start_gateway, start_sims
+
+SLOW_PROBES = {"interval_s": 30, "timeout_s": 1, "failure_threshold": 1,
+               "metrics_interval_s": 30}
+
+
+def config(urls: list[str], port: int, **pool) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "max_attempts": 2},
+        "pools": [{"name": "rt", "engine": "vllm", "models": ["tiny"],
+                   "replicas": [{"name": f"r{i}", "url": u} for i, u in enumerate(urls)],
+                   "health": SLOW_PROBES, **pool}],
+        "traffic_classes": [{"name": "rt", "pool": "rt"}],
+        "classification": {"default_class": "rt"},
+    }
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[Gateway, Sims]]:
+    """Two replicas at real speed with a slow CPU engine's profile (a long prompt takes
+    seconds of prefill), and a gateway."""
+    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=1.0, profile="vllm-cpu-tiny")
+    try:
+        gw = start_gateway(config(sims.urls, processes.free_ports(1)[0]), tmp_path)
+    except Exception:
+        sims.stop()
+        raise
+    yield gw, sims
+    gw.stop()
+    for p in sims.procs:  # a frozen replica must be thawed to be stopped
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+    sims.stop()
+
+
+def sim_state(url: str) -> dict:
+    return httpx.get(url + "/sim/state", timeout=5).json()
+
+
+def replica_stats(gw: Gateway) -> dict[str, dict]:
+    stats = httpx.get(gw.url + "/admin/stats", timeout=5).json()
+    return {r["name"]: r for p in stats["pools"] for r in p["replicas"]}
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", max_retries=0, timeout=120)
+
+
+def long_prompt(tag: str) -> str:
+    """About 12,000 tokens: seconds of prefill on the simulated CPU engine."""
+    return f"{tag}: " + " ".join(f"clause {i} of a long unique document" for i in range(1_300))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_replica_killed_during_prefill_costs_no_request(fleet, stream: bool) -> None:
+    gw, sims = fleet
+    result: dict = {}
+
+    def ask() -> None:
+        raw = client(gw).chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": long_prompt(str(stream))}],
+            max_tokens=8, stream=stream)
+        if stream:
+            text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse()
+                           if ch.choices)
+        else:
+            text = raw.parse().choices[0].message.content
+        result.update(replica=raw.headers["x-gateway-replica"], text=text)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    # The replica now prefilling it is killed: nothing has reached the client yet.
+
+    def prefilling() -> tuple[int] | None:
+        for i, url in enumerate(sims.urls):
+            if sim_state(url)["pending_prefill_tokens"] > 0:
+                return (i,)
+        return None
+
+    (victim,) = poll(prefilling, deadline_s=30)
+    sims.procs[victim].kill()
+    asker.join(timeout=120)
+    assert result["text"] and result["replica"] == f"r{1 - victim}"
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_and_leaves_rotation(fleet) -> None:
+    gw, sims = fleet
+    raw = client(gw).completions.with_raw_response.create(
+        model="tiny", prompt="write a long story", max_tokens=3000, stream=True)
+    victim = int(raw.headers["x-gateway-replica"][1:])
+    chunks = iter(raw.parse())
+    assert [next(chunks) for _ in range(5)]
+    sims.procs[victim].kill()
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in chunks:
+            pass
+    assert replica_stats(gw)[f"r{victim}"]["healthy"] is False
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert (f'gateway_replica_ejections_total{{pool="rt",reason="broken",replica="r{victim}"}} '
+            "1.0") in metrics
+    # New requests go to the replica left, at once.
+    for i in range(3):
+        again = client(gw).completions.with_raw_response.create(
+            model="tiny", prompt=f"another {i}", max_tokens=2)
+        assert again.headers["x-gateway-replica"] == f"r{1 - victim}"
+
+
+def test_a_frozen_replica_leaves_rotation_and_new_requests_are_served(fleet) -> None:
+    gw, sims = fleet
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def load(i: int) -> None:
+        c = client(gw)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                for _ in c.completions.create(model="tiny", prompt=f"user {i} turn {n} " * 20,
+                                              max_tokens=200, stream=True):
+                    if stop.is_set():
+                        break
+            except openai.APIError as exc:  # a stream cut on the frozen replica: expected
+                if "mid-stream" not in str(exc):
+                    failures.append(exc)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        poll(lambda: all(sim_state(u)["running"] > 0 for u in sims.urls), deadline_s=30)
+        victim = 0
+        os.kill(sims.procs[victim].pid, signal.SIGSTOP)
+        # Out of rotation before this deadline, although its health checks run every 30 s.
+        poll(lambda: replica_stats(gw)["r0"]["healthy"] is False, deadline_s=5)
+        # New requests are all served by the other replica while it is frozen.
+        for i in range(5):
+            raw = client(gw).completions.with_raw_response.create(
+                model="tiny", prompt=f"while frozen {i}", max_tokens=2)
+            assert raw.headers["x-gateway-replica"] == "r1"
+        assert "stalled" in replica_stats(gw)["r0"]["last_error"]
+    finally:
+        os.kill(sims.procs[0].pid, signal.SIGCONT)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert failures == []
+
+
+@pytest.mark.parametrize("mode", ["html", "malformed_sse"])
+def test_a_replica_answering_garbage_costs_no_request_and_is_ejected(fleet, mode: str) -> None:
+    gw, sims = fleet
+    assert httpx.post(sims.urls[0] + "/sim/garbage", json={"mode": mode}).status_code == 200
+    c = client(gw)
+    served = set()
+    for i in range(12):
+        stream = i % 2 == 0
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"question {i} " * 30}],
+            max_tokens=3, stream=stream)
+        if stream:
+            text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
+        else:
+            text = raw.parse().choices[0].message.content
+        assert text  # a whole answer, whichever replica was tried first
+        served.add(raw.headers["x-gateway-replica"])
+    assert served == {"r1"}
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'gateway_tries_failed_total{pool="rt",reason="read",replica="r0"}' in metrics
+    # Garbage in a row is an outlier, although the replica's health checks pass.
+    assert ('gateway_replica_ejections_total{pool="rt",reason="consecutive_failures",'
+            'replica="r0"} 1.0') in metrics
+
+
+def test_a_replica_too_slow_for_first_byte_s_is_left_for_one_that_answers(tmp_path) -> None:
+    # r0 is 200 times slower than r1: its first token takes far longer than first_byte_s.
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "fast").mkdir()
+    slow = start_sims(["vllm"], tmp_path / "slow", time_scale=200.0, profile="vllm-cpu-tiny")
+    fast = start_sims(["vllm"], tmp_path / "fast", time_scale=0.02, profile="vllm-cpu-tiny")
+    try:
+        cfg = config([*slow.urls, *fast.urls], processes.free_ports(1)[0],
+                     timeouts={"first_byte_s": 1.0})
+        gw = start_gateway(cfg, tmp_path)
+        try:
+            c = client(gw)
+            for i in range(8):
+                raw = c.completions.with_raw_response.create(
+                    model="tiny", prompt=f"prompt {i} " * 40, max_tokens=2, stream=i % 2 == 0)
+                assert raw.headers["x-gateway-replica"] == "r1"
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert ('gateway_tries_failed_total{pool="rt",reason="first_byte_timeout",'
+                    'replica="r0"}') in metrics
+        finally:
+            gw.stop()
+    finally:
+        slow.stop()
+        fast.stop()
