@@ -396,8 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=None, help="duration, overriding --minutes")
     p.add_argument("--rate", type=float, default=30.0, help="requests per second (default 30)")
     p.add_argument("--seed", type=int, default=1)
+    # Two per pool: one replica killed never leaves a pool empty, so every failure is one a
+    # gateway could have avoided.
     p.add_argument("--realtime-replicas", type=int, default=2)
-    p.add_argument("--batch-replicas", type=int, default=1)
+    p.add_argument("--batch-replicas", type=int, default=2)
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="simulated replicas' latency scale (default 1: an 8B model on an H200)")
     p.add_argument("--kill-every-s", type=float, default=45.0,
