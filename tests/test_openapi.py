@@ -1,18 +1,22 @@
 """The /v1 OpenAPI document: it describes exactly the routes the app serves, `prefix-gateway
-openapi` prints it, and the 405s the fuzzer found carry their `Allow` header."""
+openapi` prints it; and the defects the fuzzer found (405s without `Allow`, a replica's plain
+text error page passed to the client) stay fixed."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import pytest
 from fastapi.routing import APIRoute
 
+from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.app import GatewayApp
 from gateway.cli import main
 from gateway.config import parse_config
+from gateway.defaults import one_pool_config
 from gateway.openapi import v1_openapi
-from tests.inprocess import gateway, two_pools
+from tests.inprocess import FAST_HEALTH, gateway, two_pools
 
 
 def served_v1_routes(app: GatewayApp) -> set[tuple[str, str]]:
@@ -80,3 +84,50 @@ async def test_a_405_names_the_methods_of_its_path() -> None:
         assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
         r = await gw.http.delete("/v1/models")
         assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+def plain_error_replica(status: int, body: bytes, content_type: str) -> Handler:
+    """A healthy replica that answers every inference request with `status` and `body`."""
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     request_body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        return HandlerResponse(status, body, {"content-type": content_type})
+
+    return handle
+
+
+@pytest.mark.parametrize(("status", "body", "ctype"), [
+    (500, b"500 Internal Server Error\n\nServer got itself in trouble", "text/plain"),
+    (400, b"", "text/plain"),
+    (422, b'{"detail": [{"msg": "field required"}]}', "application/json"),
+])
+async def test_a_replica_error_without_an_openai_body_is_wrapped_in_one(
+        status: int, body: bytes, ctype: str) -> None:
+    """Found by the fuzzer: a replica's own crash page (aiohttp's text/plain 500) reached the
+    client as it was, which OpenAI clients cannot read; so did JSON that is not OpenAI's error
+    object (a framework's `{"detail": ...}`). Its status is kept, its body becomes OpenAI's
+    error object, naming neither the replica nor its address."""
+    cfg = one_pool_config(["http://r0.test:8000"], 0, health=FAST_HEALTH)
+    async with gateway(cfg, handlers={"replica-0": plain_error_replica(status, body, ctype)}
+                       ) as gw:
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert r.status_code == status
+        assert r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert err["code"] == "upstream_error" and f"HTTP {status}" in err["message"]
+        assert err["type"] == ("upstream_error" if status >= 500 else "invalid_request_error")
+        assert "r0.test" not in r.text and "replica-0" not in r.text
+
+
+async def test_a_replica_openai_error_passes_through_unchanged() -> None:
+    body = (b'{"error": {"message": "prompt too long", "type": "BadRequestError", '
+            b'"param": null, "code": 400}}')
+    cfg = one_pool_config(["http://r0.test:8000"], 0, health=FAST_HEALTH)
+    async with gateway(cfg, handlers={"replica-0": plain_error_replica(
+            400, body, "application/json")}) as gw:
+        r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert r.status_code == 400 and r.content == body
