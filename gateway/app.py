@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from gateway import __version__
 from gateway.auth import CLIENT_SCOPE
@@ -27,9 +28,9 @@ _STATIC = Path(__file__).parent / "static"
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": None,
-                                   "code": code}}, status_code=status)
+                                   "code": code}}, status_code=status, headers=headers)
 
 
 def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastAPI:
@@ -63,9 +64,15 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
                  "/v1/models, the Batch API and /health.")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = not_found if exc.status_code == 404 else str(exc.detail)
-        return _error(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
+        headers = exc.headers
+        if exc.status_code == 405:
+            # RFC 9110: a 405 lists every method of the path; Starlette's lists only those of
+            # the first route matching it (GET /v1/files and POST /v1/files are two routes).
+            headers = {**(headers or {}), "Allow": ", ".join(_methods_of_path(app, request.scope))}
+        return _error(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None,
+                      headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,6 +122,16 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
 
     batch_api.install(app, batch, state.config.batch.max_file_bytes)
     return app
+
+
+def _methods_of_path(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """The methods of every route whose path matches the request's."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 class GatewayApp:

@@ -1,4 +1,4 @@
-"""The `prefix-gateway` command: serve, up, sim, stats, hash-key."""
+"""The `prefix-gateway` command: serve, up, sim, stats, hash-key, openapi."""
 
 from __future__ import annotations
 
@@ -316,6 +316,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openapi(args: argparse.Namespace) -> int:
+    from gateway.openapi import v1_openapi
+
+    print(json.dumps(v1_openapi(args.server), indent=2))
+    return 0
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from backends.sim.cli import main_from_args
 
@@ -388,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?", help="the key (default: read from stdin, so that it "
                    "stays out of the shell's history)")
     p.set_defaults(func=cmd_hash_key)
+
+    p = sub.add_parser("openapi", help="print the OpenAPI document of the /v1 routes (JSON)")
+    p.add_argument("--server", default=None,
+                   help="the gateway's base URL to write into the document's servers")
+    p.set_defaults(func=cmd_openapi)
 
     p = sub.add_parser("sim", help="run simulated engine replicas")
     try:

@@ -68,8 +68,10 @@ class InferenceEndpoint:
     async def _handle(self, scope, receive, send) -> None:
         received_at = perf_counter()
         if scope["method"] != "POST":
+            # RFC 9110: a 405 lists the methods the route takes.
             await send_reply(send, error_reply(GatewayError(
-                405, f"Use POST for {self.path}.", code="method_not_allowed")))
+                405, f"Use POST for {self.path}.", code="method_not_allowed"),
+                [(b"allow", b"POST")]))
             return
         try:
             body = await read_body(receive, self.max_body)

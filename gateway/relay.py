@@ -38,12 +38,12 @@ def _length(data: bytes) -> tuple[bytes, bytes]:
 async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                              extra: list[tuple[bytes, bytes]],
                              limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
-    """A replica's own 4xx/5xx. A 4xx in JSON is passed through as the replica sent it (it
-    explains what is wrong with the request); anything else is answered in OpenAI's error
-    shape with the replica's status, its body only logged: an engine's 5xx body or a proxy's
-    HTML page is no use to the client and may name internal hosts."""
+    """A replica's own 4xx/5xx. A 4xx with OpenAI's error object is passed through as the
+    replica sent it (it explains what is wrong with the request); anything else is answered in
+    OpenAI's error shape with the replica's status, its body only logged: an engine's 5xx body
+    or a proxy's HTML page is no use to the client and may name internal hosts."""
     reply = await _relay_whole(resp, attempt, link, extra, limit)
-    if reply.status != resp.status or (resp.status < 500 and _json_object(resp, reply.body)):
+    if reply.status != resp.status or (resp.status < 500 and _openai_error(resp, reply.body)):
         # Passed through, or the client left (499), or the body was too large (502).
         return reply
     log.warning("replica %s answered HTTP %d: %r", attempt.replica.name, resp.status,
@@ -55,13 +55,17 @@ async def relay_error_status(resp: UpstreamResponse, attempt: Attempt, link: Cli
     return Reply(resp.status, [*JSON_HEADERS, _length(body), *extra], body)
 
 
-def _json_object(resp: UpstreamResponse, body: bytes) -> bool:
+def _openai_error(resp: UpstreamResponse, body: bytes) -> bool:
+    """Whether `body` is OpenAI's error object (other JSON, such as a framework's
+    `{"detail": ...}`, is no error an OpenAI client can read)."""
     if not resp.content_type.startswith("application/json"):
         return False
     try:
-        return isinstance(orjson.loads(body), dict)
+        obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
+    return isinstance(obj, dict) and isinstance(obj.get("error"), dict) and isinstance(
+        obj["error"].get("message"), str)
 
 
 async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,

@@ -113,3 +113,12 @@ async def test_socket_server_sends_what_handle_returns() -> None:
     finally:
         local.close()
         await cluster.stop()
+
+
+@pytest.mark.parametrize("prompt", [[1, 2**32], [-1], [[5, 40_000]]])
+async def test_token_ids_out_of_vocabulary_are_a_400(sim: SimApp, prompt: list) -> None:
+    """As vLLM answers; the simulated replica crashed with a 500 on ids past 32 bits (found by
+    the fuzzer)."""
+    status, _, body = await _post(sim, "/v1/completions", {"model": "tiny", "prompt": prompt})
+    assert status == 400
+    assert "out of vocabulary" in orjson.loads(body)["error"]["message"]

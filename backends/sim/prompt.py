@@ -74,6 +74,10 @@ def completion_prompt(body: dict[str, Any], block_tokens: int) -> Prompt:
         return text_prompt(prompt, block_tokens)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         tokens: list[int] = prompt
+        bad = next((t for t in tokens if isinstance(t, bool) or not 0 <= t < PSEUDO_VOCAB), None)
+        if bad is not None:
+            # vLLM answers 400 for a token id outside its vocabulary.
+            raise PromptError(f"Token id {bad} is out of vocabulary (0 to {PSEUDO_VOCAB - 1})")
         return Prompt(
             " ".join(map(str, tokens)), len(tokens), token_block_hashes(tokens, block_tokens)
         )
