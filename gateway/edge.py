@@ -70,8 +70,8 @@ class InferenceEndpoint:
         if scope["method"] != "POST":
             # RFC 9110: a 405 lists the methods the route takes.
             await send_reply(send, error_reply(GatewayError(
-                405, f"Use POST for {self.path}.", code="method_not_allowed"),
-                [(b"allow", b"POST")]))
+                405, f"Use POST for {self.path}.", code="method_not_allowed",
+                headers=[(b"allow", b"POST")])))
             return
         try:
             body = await read_body(receive, self.max_body)
