@@ -59,6 +59,13 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
     app = FastAPI(title="prefix-gateway", version=__version__, lifespan=lifespan,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)
+    if docs:
+        # The document of what clients may call, in OpenAI's shapes (gateway/openapi.py), not
+        # FastAPI's: the inference paths are not FastAPI routes and the admin ones are not for
+        # clients. Built per request: the models served may change while it runs.
+        from gateway.openapi import v1_openapi
+
+        app.openapi = lambda: v1_openapi(models=sorted(state.models) or None)  # type: ignore[method-assign]
     not_found = ("Not found: see /docs for the gateway's routes." if docs else
                  "Not found: the gateway serves /v1/chat/completions, /v1/completions, "
                  "/v1/models, the Batch API and /health.")

@@ -158,7 +158,7 @@ async def test_docs_and_the_schema_are_off_unless_exposed() -> None:
     config = two_pools(realtime=1, batch=1)
     config["server"] = {"expose_docs": True}
     async with gateway(config) as gw:
-        assert (await gw.http.get("/openapi.json")).json()["info"]["title"] == "prefix-gateway"
+        assert (await gw.http.get("/openapi.json")).json()["info"]["title"] == "prefix-gateway /v1"
         assert (await gw.http.get("/docs")).status_code == 200
 
 

@@ -63,6 +63,20 @@ def test_the_document_loads_and_every_operation_documents_its_errors() -> None:
         "properties"]["model"]
 
 
+async def test_an_exposed_schema_is_the_v1_document_with_the_served_models() -> None:
+    """With `server.expose_docs`, /openapi.json (and so /docs) is the /v1 document, not
+    FastAPI's, which knew neither the inference paths nor OpenAI's shapes."""
+    config = two_pools(realtime=1, batch=1)
+    config["server"] = {"expose_docs": True}
+    async with gateway(config) as gw:
+        served = (await gw.http.get("/openapi.json")).json()
+        assert documented(served) == served_v1_routes(gw.app)
+        assert served == v1_openapi(models=sorted(gw.app.state.models))
+        assert served["components"]["schemas"]["CreateChatCompletionRequest"]["properties"][
+            "model"]["enum"] == ["tiny"]
+        assert (await gw.http.get("/docs")).status_code == 200
+
+
 def test_the_cli_prints_the_document(capsys) -> None:
     assert main(["openapi", "--server", "http://gw.example:9000"]) == 0
     printed = json.loads(capsys.readouterr().out)
