@@ -37,7 +37,8 @@ class HealthMonitor:
     A replica leaves rotation after `failure_threshold` failed probes in a row, at once when a
     request to it fails to connect or its connection breaks, after `ejection.
     consecutive_failures` failed requests in a row (5xx, timeouts), or when it stalls (no byte
-    for `ejection.stall_s` while streams that had content wait for it). It returns on its
+    for `ejection.stall_s` while streams that had content wait for it, and no answer to a
+    health check meanwhile). It returns on its
     first successful probe, but not before its ejection has lasted `ejection.base_s`,
     doubled for each ejection in a row (up to `max_s`). Replicas whose probes only timed out
     stay as a last resort: when a pool has no healthy replica left, they still take traffic
@@ -50,6 +51,8 @@ class HealthMonitor:
         self.upstream = upstream
         self.listener = listener
         self._tasks: list[asyncio.Task[None]] = []
+        self._asking: set[asyncio.Task[None]] = set()
+        """Health checks of replicas that look stalled, in flight."""
         self._reported: dict[tuple[str, str], bool] = {}
         """(pool, replica) -> the health state last logged, so each change is logged once."""
 
@@ -70,9 +73,10 @@ class HealthMonitor:
                 self._tasks.append(asyncio.create_task(self._stall_loop(pool)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._asking]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
 
     async def _probe_loop(self, pool: Pool) -> None:
@@ -97,8 +101,15 @@ class HealthMonitor:
 
     def check_stalls(self, pool: Pool, now: float) -> None:
         """Eject the replicas of `pool` that stopped streaming while the gateway waits to
-        read streams that already had content from them; try their waiting requests
-        elsewhere."""
+        read streams that already had content from them, and that do not answer a health
+        check either; try their waiting requests elsewhere.
+
+        Silence alone does not tell a frozen engine from a busy one: a long prefill holds
+        the engine's steps, and so every stream there, for as long as it takes (seconds on a
+        CPU engine, or for a huge prompt). So a replica silent for half its limit is sent a
+        health check, and again every half limit while it stays silent; it is ejected at its
+        limit only if none answered within the last limit. An engine's API server answers
+        while the engine computes; a frozen or wedged process does not."""
         ejection = pool.spec.ejection
         for r in pool.replicas.values():
             if not r.reads or not r.healthy:
@@ -107,16 +118,35 @@ class HealthMonitor:
             limit = max(ejection.stall_s, 20 * (load.steps.step_s(r.name) or 0.0))
             pending, rate = load.pending_prefill.get(r.name, 0.0), load.steps.rate
             if pending and rate > 0:
-                # A long prefill may hold the engine's steps (and so every stream there) for
-                # as long as it takes: that silence is work, not a stall.
+                # A prefill the gateway knows to be pending is work, not a stall.
                 limit += pending / rate
-            silent = now - max(r.last_chunk_at, r.reads_since)
-            if silent < limit:
+            silent_since = max(r.last_chunk_at, r.reads_since)
+            silent = now - silent_since
+            if silent < limit / 2:
+                continue
+            ask = r.answered_at < max(silent_since, now - limit / 2)
+            if ask and (r.stall_check is None or r.stall_check.done()):
+                r.stall_check = asyncio.create_task(self._ask(pool, r))
+                self._asking.add(r.stall_check)
+                r.stall_check.add_done_callback(self._asking.discard)
+            if silent < limit or r.answered_at >= max(silent_since, now - limit):
                 continue
             self._eject(pool, r, f"stalled: no byte for {silent:.1f} s with "
-                        f"{r.reads} stream(s) waiting", "stalled")
-            for attempt in list(r.holding):
-                attempt.interrupt("stalled")
+                        f"{r.reads} stream(s) waiting, and no answer to a health check",
+                        "stalled")
+            if any(o.healthy for o in pool.replicas.values()):
+                # Fail over only where there is somewhere to go: with no other replica, the
+                # requests wait on (within the pool's timeouts) rather than fail at once.
+                for attempt in list(r.holding):
+                    attempt.interrupt("stalled")
+
+    async def _ask(self, pool: Pool, r: ReplicaState) -> None:
+        """A health check of a replica that looks stalled; `answered_at` if it answers."""
+        outcome, _ = await pool.adapter.check(self.upstream, r.base_url,
+                                              min(pool.health.timeout_s,
+                                                  4 * pool.spec.ejection.stall_s))
+        if outcome is Probe.OK:
+            r.answered_at = time.perf_counter()
 
     def request_succeeded(self, pool: Pool, r: ReplicaState) -> None:
         """A live request got its answer: the replica's failures in a row start again."""

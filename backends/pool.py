@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -45,9 +46,10 @@ class Ejection:
     max_s: float = 30.0
     stall_s: float = 1.0
     """A replica that sends no byte for this long, while the gateway waits to read streams
-    that already had content from it (or for 20 of its
-    recent engine steps, if longer) is stalled: ejected, and its requests that have sent
-    nothing to their client yet are tried elsewhere. 0: no stall watch."""
+    that already had content from it (or for 20 of its recent engine steps, if longer), and
+    does not answer a health check meanwhile, is stalled: ejected, and its requests that have
+    sent nothing to their client yet are tried on another replica, if one is healthy.
+    0: no stall watch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,11 @@ class ReplicaState:
         read either, so its silence never counts as the replica's."""
         self.reads_since = 0.0
         """When `reads` last rose from 0 (perf_counter)."""
+        self.answered_at = 0.0
+        """When the replica last answered a health check sent because it looked stalled
+        (perf_counter): a busy engine answers, a frozen one does not."""
+        self.stall_check: asyncio.Task[None] | None = None
+        """That health check, while in flight."""
         self.holding: set[Any] = set()
         """Tries in flight there that have sent nothing to their client yet (each with an
         `interrupt(why)`): what a stall fails over."""

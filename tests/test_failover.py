@@ -183,26 +183,48 @@ async def test_failures_in_a_row_eject_and_probes_bring_the_replica_back_later()
         assert not r0.healthy and r0.ejections == 2
 
 
-def freezable() -> tuple[Handler, asyncio.Event]:
+class Freeze:
+    """SIGSTOP (`set`) and SIGCONT (`clear`) for a simulated replica."""
+
+    def __init__(self) -> None:
+        self._running = asyncio.Event()
+        self._running.set()
+
+    def set(self) -> None:
+        self._running.clear()
+
+    def clear(self) -> None:
+        self._running.set()
+
+    def is_set(self) -> bool:
+        return not self._running.is_set()
+
+    async def wait_thawed(self) -> None:
+        await self._running.wait()
+
+
+def freezable(busy: bool = False) -> tuple[Handler, Freeze]:
     """A replica streaming max_tokens tokens, one every 20 ms, until `frozen` is set; from
-    then on it sends nothing at all (as a SIGSTOPped process), to old and new requests."""
-    frozen = asyncio.Event()
+    then until it is cleared it sends nothing at all, to old and new requests: as a
+    SIGSTOPped process (its health checks are not answered either) or, `busy`, as an engine
+    held by a long prefill (its API server still answers health checks)."""
+    frozen = Freeze()
 
     async def tokens(n: int) -> AsyncIterator[bytes]:
         await asyncio.sleep(0)
-        if frozen.is_set():
-            await asyncio.Event().wait()
+        await frozen.wait_thawed()
         yield event(role=True)
         for i in range(n):
             await asyncio.sleep(0.02)
-            if frozen.is_set():
-                await asyncio.Event().wait()
+            await frozen.wait_thawed()
             yield event(f"t{i} ")
         yield b"data: [DONE]\n\n"
 
     async def handle(method: str, target: str, headers: Mapping[str, str],
                      body: bytes) -> HandlerResponse:
         if target == "/health":
+            if not busy:
+                await frozen.wait_thawed()
             return HandlerResponse(200)
         if target == "/metrics":
             return HandlerResponse(404)
@@ -248,6 +270,67 @@ async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere
         assert any(s.name == "gateway_tries_failed_total" and s.labels["reason"] == "stalled"
                    and s.value == 1 for s in samples)
         reader.cancel()
+        await first.body.aclose()
+
+
+async def test_a_busy_replica_is_not_taken_for_a_frozen_one() -> None:
+    """A long prefill holds every stream of an engine for seconds, but its API server answers
+    health checks meanwhile: the stall watch asks, and leaves it (and the requests waiting
+    there) alone. Before, silence alone ejected it, and a request waiting for its first
+    token there failed over (or got a 502, with no other replica)."""
+    h0, f0 = freezable(busy=True)
+    async with gateway(config(ejection={"stall_s": 0.2}, realtime=1),
+                       handlers={"rt-0": h0}) as gw:
+        payload = {"model": "tiny", "stream": True,
+                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
+        first = await gw.app.core.handle(InferenceRequest(
+            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
+        assert b"t0" in await anext(first.body)
+        reader = asyncio.ensure_future(anext(first.body))  # waits on the silent replica
+        f0.set()
+        second = asyncio.create_task(gw.app.core.handle(InferenceRequest(
+            "/v1/chat/completions", True, {**payload, "max_tokens": 3},
+            orjson.dumps({**payload, "max_tokens": 3}), "tiny", True)))
+        replica = gw.app.state.pools[0].replicas["rt-0"]
+        # Silent for ten stall limits, asked over and over, answering every time.
+        await eventually(lambda: replica.answered_at > 0 and replica.reads == 1)
+        asked_at = replica.answered_at
+        await eventually(lambda: replica.answered_at > asked_at + 10 * 0.2)
+        assert replica.healthy and replica.ejections == 0
+        assert not second.done() and not reader.done()
+        f0.clear()  # the prefill is done: tokens flow again, to both
+        assert (await reader).startswith(b"data: ")
+        reply = await second
+        assert reply.status == 200 and b"[DONE]" in b"".join([c async for c in reply.body])
+        samples = await gw.metrics()
+        assert not any(s.name == "gateway_replica_ejections_total" and s.value for s in samples)
+        await first.body.aclose()
+
+
+async def test_a_lone_frozen_replica_is_ejected_but_its_waiting_requests_wait_on() -> None:
+    """With nowhere else to go, failing a request over is failing it: it waits on, within
+    the pool's timeouts, and is answered if the replica comes back."""
+    h0, f0 = freezable()
+    async with gateway(config(ejection={"stall_s": 0.2}, realtime=1),
+                       handlers={"rt-0": h0}) as gw:
+        payload = {"model": "tiny", "stream": True,
+                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
+        first = await gw.app.core.handle(InferenceRequest(
+            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
+        assert b"t0" in await anext(first.body)
+        reader = asyncio.ensure_future(anext(first.body))
+        f0.set()
+        second = asyncio.create_task(gw.app.core.handle(InferenceRequest(
+            "/v1/chat/completions", True, {**payload, "max_tokens": 3},
+            orjson.dumps({**payload, "max_tokens": 3}), "tiny", True)))
+        replica = gw.app.state.pools[0].replicas["rt-0"]
+        await eventually(lambda: not replica.healthy)
+        assert "stalled" in replica.last_error and replica.answered_at == 0
+        assert not second.done()
+        f0.clear()  # SIGCONT
+        assert (await reader).startswith(b"data: ")
+        reply = await second
+        assert reply.status == 200 and b"[DONE]" in b"".join([c async for c in reply.body])
         await first.body.aclose()
 
 
@@ -341,7 +424,9 @@ def test_bad_timeouts_and_ejection_settings_are_rejected(key: str, value: dict,
 
 
 async def test_only_a_wait_for_the_replica_counts_as_its_silence() -> None:
-    async with gateway(config(ejection={"stall_s": 0.5})) as gw:
+    h0, f0 = freezable()
+    async with gateway(config(ejection={"stall_s": 0.5}), handlers={"rt-0": h0}) as gw:
+        f0.set()  # from now on its health checks are not answered
         pool = gw.app.state.pools[0]
         r0 = pool.replicas["rt-0"]
         monitor = gw.app.state.monitor
