@@ -38,7 +38,7 @@ class HealthMonitor:
     request to it fails to connect or its connection breaks, after `ejection.
     consecutive_failures` failed requests in a row (5xx, timeouts), or when it stalls (no byte
     for `ejection.stall_s` while streams that had content wait for it, and no answer to a
-    health check meanwhile). It returns on its
+    health check meanwhile; never the pool's last healthy replica). It returns on its
     first successful probe, but not before its ejection has lasted `ejection.base_s`,
     doubled for each ejection in a row (up to `max_s`). Replicas whose probes only timed out
     stay as a last resort: when a pool has no healthy replica left, they still take traffic
@@ -100,16 +100,15 @@ class HealthMonitor:
             self.check_stalls(pool, time.perf_counter())
 
     def check_stalls(self, pool: Pool, now: float) -> None:
-        """Eject the replicas of `pool` that stopped streaming while the gateway waits to
-        read streams that already had content from them, and that do not answer a health
-        check either; try their waiting requests elsewhere.
+        """Ask the replicas of `pool` that stopped streaming, while the gateway waits to read
+        streams that already had content from them, whether they are alive (`_ask`).
 
         Silence alone does not tell a frozen engine from a busy one: a long prefill holds
         the engine's steps, and so every stream there, for as long as it takes (seconds on a
-        CPU engine, or for a huge prompt). So a replica silent for half its limit is sent a
-        health check, and again every half limit while it stays silent; it is ejected at its
-        limit only if none answered within the last limit. An engine's API server answers
-        while the engine computes; a frozen or wedged process does not."""
+        CPU engine, or for a huge prompt). An engine's API server answers a health check
+        while the engine computes; a frozen or wedged process does not. So a replica silent
+        for half its limit is sent one, and again every half limit while the silence lasts
+        and it keeps answering."""
         ejection = pool.spec.ejection
         for r in pool.replicas.values():
             if not r.reads or not r.healthy:
@@ -121,32 +120,43 @@ class HealthMonitor:
                 # A prefill the gateway knows to be pending is work, not a stall.
                 limit += pending / rate
             silent_since = max(r.last_chunk_at, r.reads_since)
-            silent = now - silent_since
-            if silent < limit / 2:
+            if now - silent_since < limit / 2:
                 continue
-            ask = r.answered_at < max(silent_since, now - limit / 2)
-            if ask and (r.stall_check is None or r.stall_check.done()):
-                r.stall_check = asyncio.create_task(self._ask(pool, r))
-                self._asking.add(r.stall_check)
-                r.stall_check.add_done_callback(self._asking.discard)
-            if silent < limit or r.answered_at >= max(silent_since, now - limit):
+            if r.answered_at >= max(silent_since, now - limit / 2):
+                continue  # answered lately: busy, not frozen
+            if r.stall_check is not None and not r.stall_check.done():
                 continue
-            self._eject(pool, r, f"stalled: no byte for {silent:.1f} s with "
-                        f"{r.reads} stream(s) waiting, and no answer to a health check",
-                        "stalled")
-            if any(o.healthy for o in pool.replicas.values()):
-                # Fail over only where there is somewhere to go: with no other replica, the
-                # requests wait on (within the pool's timeouts) rather than fail at once.
-                for attempt in list(r.holding):
-                    attempt.interrupt("stalled")
+            r.stall_check = asyncio.create_task(self._ask(pool, r, silent_since, limit))
+            self._asking.add(r.stall_check)
+            r.stall_check.add_done_callback(self._asking.discard)
 
-    async def _ask(self, pool: Pool, r: ReplicaState) -> None:
-        """A health check of a replica that looks stalled; `answered_at` if it answers."""
-        outcome, _ = await pool.adapter.check(self.upstream, r.base_url,
-                                              min(pool.health.timeout_s,
-                                                  4 * pool.spec.ejection.stall_s))
+    async def _ask(self, pool: Pool, r: ReplicaState, silent_since: float,
+                   limit: float) -> None:
+        """A health check of a replica that looks stalled. Unanswered (within the silence
+        allowed, or `health.timeout_s` if shorter) while the replica stayed silent: it is
+        stalled, and ejected; its requests that have sent nothing to their client yet are
+        tried on another replica. A pool's last healthy replica is kept: with nowhere else
+        to go, ejecting it would turn requests that wait into requests that fail."""
+        outcome, why = await pool.adapter.check(self.upstream, r.base_url,
+                                                min(pool.health.timeout_s, limit))
+        now = time.perf_counter()
         if outcome is Probe.OK:
-            r.answered_at = time.perf_counter()
+            r.answered_at = now
+            return
+        r.unanswered_at = now
+        if not r.healthy or not r.reads or max(r.last_chunk_at, r.reads_since) > silent_since:
+            return  # it spoke meanwhile, or nothing waits on it any more
+        silent = now - silent_since
+        if not any(o.healthy for o in pool.replicas.values() if o is not r):
+            log.warning("replica %s/%s sent no byte for %.1f s and answered no health check, "
+                        "but is the last healthy replica of its pool: kept in rotation",
+                        pool.name, r.name, silent)
+            return
+        self._eject(pool, r, f"stalled: no byte for {silent:.1f} s with {r.reads} stream(s) "
+                    f"waiting, and no answer to a health check ({why or outcome.name})",
+                    "stalled")
+        for attempt in list(r.holding):
+            attempt.interrupt("stalled")
 
     def request_succeeded(self, pool: Pool, r: ReplicaState) -> None:
         """A live request got its answer: the replica's failures in a row start again."""

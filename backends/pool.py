@@ -47,9 +47,9 @@ class Ejection:
     stall_s: float = 1.0
     """A replica that sends no byte for this long, while the gateway waits to read streams
     that already had content from it (or for 20 of its recent engine steps, if longer), and
-    does not answer a health check meanwhile, is stalled: ejected, and its requests that have
-    sent nothing to their client yet are tried on another replica, if one is healthy.
-    0: no stall watch."""
+    does not answer a health check meanwhile, is stalled: ejected (unless it is the pool's
+    last healthy replica), and its requests that have sent nothing to their client yet are
+    tried on another replica. 0: no stall watch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +113,8 @@ class ReplicaState:
         self.answered_at = 0.0
         """When the replica last answered a health check sent because it looked stalled
         (perf_counter): a busy engine answers, a frozen one does not."""
+        self.unanswered_at = 0.0
+        """When such a health check last went unanswered (perf_counter)."""
         self.stall_check: asyncio.Task[None] | None = None
         """That health check, while in flight."""
         self.holding: set[Any] = set()

@@ -190,9 +190,9 @@ class EjectionConfig(_Strict):
     stall_s: float = Field(
         1.0, ge=0, description="a replica that sends no byte for this long (or 20 of its "
         "recent engine steps, if longer) while the gateway waits to read streams that had "
-        "content from it, and answers no health check sent meanwhile, is ejected, and its "
-        "requests that sent nothing to their client yet are tried on another healthy "
-        "replica; 0: off")
+        "content from it, and leaves a health check sent meanwhile unanswered, is ejected "
+        "(never the pool's last healthy replica), and its requests that sent nothing to "
+        "their client yet are tried on another replica; 0: off")
 
     @model_validator(mode="after")
     def _ordered(self) -> EjectionConfig:

@@ -307,9 +307,10 @@ async def test_a_busy_replica_is_not_taken_for_a_frozen_one() -> None:
         await first.body.aclose()
 
 
-async def test_a_lone_frozen_replica_is_ejected_but_its_waiting_requests_wait_on() -> None:
-    """With nowhere else to go, failing a request over is failing it: it waits on, within
-    the pool's timeouts, and is answered if the replica comes back."""
+async def test_a_lone_frozen_replica_is_kept_and_its_waiting_requests_wait_on() -> None:
+    """With nowhere else to go, ejecting the pool's last healthy replica would fail the
+    requests waiting there (and answer new ones 503): it stays, and they are answered when it
+    comes back."""
     h0, f0 = freezable()
     async with gateway(config(ejection={"stall_s": 0.2}, realtime=1),
                        handlers={"rt-0": h0}) as gw:
@@ -324,8 +325,11 @@ async def test_a_lone_frozen_replica_is_ejected_but_its_waiting_requests_wait_on
             "/v1/chat/completions", True, {**payload, "max_tokens": 3},
             orjson.dumps({**payload, "max_tokens": 3}), "tiny", True)))
         replica = gw.app.state.pools[0].replicas["rt-0"]
-        await eventually(lambda: not replica.healthy)
-        assert "stalled" in replica.last_error and replica.answered_at == 0
+        # Seen stalled (a health check went unanswered), twice, and kept.
+        await eventually(lambda: replica.unanswered_at > 0)
+        seen = replica.unanswered_at
+        await eventually(lambda: replica.unanswered_at > seen)
+        assert replica.healthy and replica.ejections == 0 and replica.answered_at == 0
         assert not second.done()
         f0.clear()  # SIGCONT
         assert (await reader).startswith(b"data: ")
@@ -439,6 +443,7 @@ async def test_only_a_wait_for_the_replica_counts_as_its_silence() -> None:
         monitor.check_stalls(pool, now)
         assert r0.healthy
         r0.reads_since = now - 0.6
-        monitor.check_stalls(pool, now)
-        assert not r0.healthy and "stalled" in r0.last_error
+        monitor.check_stalls(pool, now)  # asks it; unanswered, it is ejected
+        await eventually(lambda: not r0.healthy)
+        assert "stalled" in r0.last_error and r0.answered_at == 0
         r0.reads = 0
