@@ -44,24 +44,19 @@ def _check(res: dict, limit: int, expected_ideal: float) -> None:
     assert res["ttft_p50_s"] > 0
 
 
-def test_replay_workload_json(run) -> None:
-    limit = 30
+def test_replay_workload_with_params_and_limit_json(run) -> None:
+    # Three tenants instead of 150: a much higher ideal hit ratio than the default's; --limit
+    # takes the first 24 of the 30 requests the params make.
+    limit, params = 24, {"n_tenants": 3, "n_requests": 30}
     res = run(["--workload", "tenants", "--replicas", "2", "--limit", str(limit),
-                "--speedup", "4", "--time-scale", "0.05", "--max-output", "8"])
-    reqs = load_requests(None, "tenants", limit, 4)
+               "--speedup", "4", "--time-scale", "0.05", "--max-output", "8",
+               *[f"--workload-param={k}={v}" for k, v in params.items()]])
+    reqs = load_requests(None, "tenants", limit, 4, params)
+    assert len(reqs) == limit < len(load_requests(None, "tenants", None, 4, params))
+    assert ideal_hit_ratio(reqs) > ideal_hit_ratio(load_requests(None, "tenants", limit, 4)) + 0.1
     _check(res, limit, ideal_hit_ratio(reqs))
     assert res["policy"]
-
-
-def test_replay_workload_params_shape_the_workload(run) -> None:
-    # Three tenants instead of 150: a much higher ideal hit ratio than the default's.
-    params = {"n_tenants": 3, "n_requests": 24}
-    res = run(["--workload", "tenants", "--replicas", "2", "--speedup", "4",
-                "--time-scale", "0.05", "--max-output", "8",
-                *[f"--workload-param={k}={v}" for k, v in params.items()]])
-    reqs = load_requests(None, "tenants", None, 4, params)
-    assert ideal_hit_ratio(reqs) > ideal_hit_ratio(load_requests(None, "tenants", 24, 4)) + 0.1
-    _check(res, 24, ideal_hit_ratio(reqs))
+    assert res["source"] == "tenants"
 
 
 def test_replay_mooncake_trace_with_policy(run) -> None:
