@@ -329,7 +329,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return main_from_args(args) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
+    """The command's parser; without `sim_options`, `sim` is listed but takes no options
+    (they come from the simulator, whose import costs every other command a quarter second)."""
     parser = argparse.ArgumentParser(prog="prefix-gateway", description=(
         "OpenAI-compatible gateway that routes shared-prefix traffic to the engine replica "
         "most likely to hold it in cache, within a bound on load."))
@@ -402,11 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_openapi)
 
     p = sub.add_parser("sim", help="run simulated engine replicas")
-    try:
+    if sim_options:
         from backends.sim.cli import add_sim_arguments
+
         add_sim_arguments(p)
-    except ImportError:  # pragma: no cover - only while the simulator is being built
-        pass
     p.set_defaults(func=cmd_sim)
     return parser
 
@@ -415,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # httpx logs every request at INFO; `stats` output must stay a clean table.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands are matched exactly, so only `sim` as the first word needs its options.
+    args = build_parser(sim_options=bool(argv) and argv[0] == "sim").parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

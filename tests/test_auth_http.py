@@ -4,6 +4,7 @@ to expose an open gateway."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 import yaml
 
+from gateway import cli as gateway_cli
 from gateway import processes
 from gateway.config import key_digest
 from tests.inprocess import two_pools
@@ -20,11 +22,28 @@ K, A = "sk-gw-client-7f3a", "sk-gw-admin-91c2"
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """`prefix-gateway ARGS` as a process."""
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 
-def test_up_with_keys_serves_only_holders_of_the_key(tmp_path) -> None:
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """`prefix-gateway ARGS` through its parser and command in the test process, for commands
+    that return without serving: (exit code, stdout, stderr)."""
+    monkeypatch.delenv(gateway_cli.ADMIN_KEY_ENV, raising=False)
+
+    def run(*args: str, stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))  # not a terminal
+        parsed = gateway_cli.build_parser().parse_args(list(args))
+        code = parsed.func(parsed)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_up_with_keys_serves_only_holders_of_the_key(tmp_path, run_cli) -> None:
     port = processes.free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--port", str(port),
@@ -55,10 +74,10 @@ def test_up_with_keys_serves_only_holders_of_the_key(tmp_path) -> None:
             .status_code == 401
         stats = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {A}"})
         assert stats.status_code == 200 and stats.json()["pools"]
-        refused = cli("stats", "--url", url)
-        assert refused.returncode == 1 and "--admin-key" in refused.stderr
-        table = cli("stats", "--url", url, "--admin-key", A)
-        assert table.returncode == 0 and "realtime-0" in table.stdout
+        code, _, err = run_cli("stats", "--url", url)
+        assert code == 1 and "--admin-key" in err
+        code, out, _ = run_cli("stats", "--url", url, "--admin-key", A)
+        assert code == 0 and "realtime-0" in out
     finally:
         processes.stop_all([proc])
     log = (tmp_path / "up.log").read_text()
@@ -66,26 +85,30 @@ def test_up_with_keys_serves_only_holders_of_the_key(tmp_path) -> None:
     assert K not in log and A not in log
 
 
-def test_serve_refuses_a_public_address_without_client_keys(tmp_path) -> None:
+def test_serve_refuses_a_public_address_without_client_keys(tmp_path, run_cli) -> None:
     config = two_pools(realtime=1, batch=1)
     config["server"] = {"host": "0.0.0.0", "port": processes.free_ports(1)[0]}
     path = tmp_path / "open.yaml"
     path.write_text(yaml.safe_dump(config))
-    for args in (("--check",), ()):
-        refused = cli("serve", "--config", str(path), *args)
-        assert refused.returncode == 2
-        assert "refusing to serve" in refused.stderr and "auth.api_keys" in refused.stderr
-    assert cli("serve", "--config", str(path), "--check", "--allow-unauthenticated") \
-        .returncode == 0
+    # Serving for real: as a process (were it not refused, it would serve, not return).
+    refused = cli("serve", "--config", str(path))
+    assert refused.returncode == 2
+    assert "refusing to serve" in refused.stderr and "auth.api_keys" in refused.stderr
+    code, _, err = run_cli("serve", "--config", str(path), "--check")
+    assert code == 2
+    assert "refusing to serve" in err and "auth.api_keys" in err
+    assert run_cli("serve", "--config", str(path), "--check", "--allow-unauthenticated")[0] == 0
     # The same file on loopback is fine, and --host may not sneak the address back in.
     config["server"]["host"] = "127.0.0.1"
     path.write_text(yaml.safe_dump(config))
-    assert cli("serve", "--config", str(path), "--check").returncode == 0
-    assert cli("serve", "--config", str(path), "--check", "--host", "0.0.0.0").returncode == 2
+    assert run_cli("serve", "--config", str(path), "--check")[0] == 0
+    assert run_cli("serve", "--config", str(path), "--check", "--host", "0.0.0.0")[0] == 2
 
 
-def test_hash_key_prints_the_digest_the_config_takes() -> None:
-    out = cli("hash-key", stdin="sk-some-key\n")
+def test_hash_key_prints_the_digest_the_config_takes(run_cli) -> None:
+    out = cli("hash-key", stdin="sk-some-key\n")  # from stdin, as a process
     assert out.returncode == 0 and out.stdout.strip() == key_digest("sk-some-key")
-    assert cli("hash-key", "sk-some-key").stdout.strip() == key_digest("sk-some-key")
-    assert cli("hash-key", stdin="").returncode == 2
+    code, stdout, _ = run_cli("hash-key", "sk-some-key")
+    assert code == 0 and stdout.strip() == key_digest("sk-some-key")
+    code, _, err = run_cli("hash-key", stdin="")
+    assert code == 2 and "empty key" in err

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway import processes
+from gateway import cli, processes
 from tests.conftest import poll
 
 
@@ -40,17 +39,23 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_serves_both_pools_and_stops_everything(tmp_path, sig) -> None:
+# SIGTERM with the embedded default's counts (3 realtime and 2 batch replicas); SIGINT with
+# one replica per pool, enough to show that it too stops the replicas it started.
+@pytest.mark.parametrize(("sig", "flags", "n_rt", "n_bt"), [
+    (signal.SIGTERM, (), 3, 2),
+    (signal.SIGINT, ("--realtime-replicas", "1", "--batch-replicas", "1"), 1, 1),
+], ids=["SIGTERM-default", "SIGINT-1+1"])
+def test_up_serves_both_pools_and_stops_everything(tmp_path, capsys, sig, flags, n_rt,
+                                                   n_bt) -> None:
     port = processes.free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--port", str(port),
-                            "--time-scale", "0.02", "--log-dir", str(tmp_path)],
+                            "--time-scale", "0.02", "--log-dir", str(tmp_path), *flags],
                            str(tmp_path / "up.log"))
     try:
         processes.wait_healthy([url], [proc], deadline_s=60, path="/ready")
         replicas = children_of(proc.pid)
-        assert len(replicas) == 5
+        assert len(replicas) == n_rt + n_bt
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         rt = c.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
@@ -61,11 +66,12 @@ def test_up_serves_both_pools_and_stops_everything(tmp_path, sig) -> None:
             extra_headers={"x-traffic-class": "batch"})
         assert bt.headers["x-gateway-replica"].startswith("batch-")
         # Admission control is on: 64 slots per replica, realtime may borrow the batch pool.
-        table = subprocess.run([sys.executable, "-m", "gateway.cli", "stats", "--url", url],
-                               capture_output=True, text=True, check=True).stdout
+        # `prefix-gateway stats`, in the test process.
+        assert cli.cmd_stats(cli.build_parser().parse_args(["stats", "--url", url])) == 0
+        table = capsys.readouterr().out
         rows = [line.split() for line in table.split("admission\n", 1)[1].splitlines()]
-        assert ["realtime", "64", "192", "0", "0", "0.0%", "25.0%"] in rows
-        assert ["batch", "64", "128", "0", "0", "0.0%", "25.0%"] in rows
+        assert ["realtime", "64", str(64 * n_rt), "0", "0", "0.0%", "25.0%"] in rows
+        assert ["batch", "64", str(64 * n_bt), "0", "0", "0.0%", "25.0%"] in rows
         stats = httpx.get(url + "/admin/stats").json()["admission"]
         assert stats["classes"][0]["borrow"] == [{"pool": "batch", "while_below": 0.5}]
         os.kill(proc.pid, sig)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway import cli
 from gateway.config import ConfigError, load_config, parse_config
 from tests.conftest import ROOT
 from tests.inprocess import two_pools
@@ -44,6 +44,15 @@ classification: {default_class: realtime}
 """
 
 
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`prefix-gateway ARGS` in the test process (only commands that return without serving):
+    its exit code, stdout and stderr. test_serve_exits_2 runs the command as a process."""
+    parsed = cli.build_parser().parse_args(list(args))
+    code = parsed.func(parsed)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_unknown_key_is_named_with_its_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(BAD)
@@ -68,11 +77,11 @@ def test_serve_exits_2_with_the_error(tmp_path: Path) -> None:
     assert "polcy: unknown key" in r.stderr
 
 
-def test_check_flag_validates_without_serving() -> None:
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                        str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check"],
-                       capture_output=True, text=True, check=True)
-    assert "valid" in r.stdout and "realtime (vllm, 3 replicas)" in r.stdout
+def test_check_flag_validates_without_serving(capsys) -> None:
+    code, out, _ = run_cli(capsys, "serve", "--config",
+                           str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check")
+    assert code == 0
+    assert "valid" in out and "realtime (vllm, 3 replicas)" in out
 
 
 # Admission control ----------------------------------------------------------------------------
@@ -176,26 +185,29 @@ def test_the_batch_class_and_the_redis_section_are_checked(tmp_path: Path) -> No
 
 
 def test_the_redis_url_comes_from_the_flag_then_the_environment_then_the_file(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys, monkeypatch) -> None:
     path = tmp_path / "gw.yaml"
     cfg = yaml.safe_load((ROOT / "deploy" / "examples" / "gateway.yaml").read_text())
     path.write_text(yaml.safe_dump({**cfg, "redis": {"url": "redis://file:6379/0",
                                                      "key_prefix": "mine:"}}))
 
     def check(*flags: str, env: str | None = None) -> str:
-        environ = {k: v for k, v in os.environ.items() if k != "PREFIX_GATEWAY_REDIS_URL"}
         if env:
-            environ["PREFIX_GATEWAY_REDIS_URL"] = env
-        return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                               str(path), "--check", *flags], capture_output=True, text=True,
-                              check=True, env=environ).stdout
+            monkeypatch.setenv(cli.REDIS_ENV, env)
+        else:
+            monkeypatch.delenv(cli.REDIS_ENV, raising=False)
+        code, out, err = run_cli(capsys, "serve", "--config", str(path), "--check", *flags)
+        assert code == 0, err
+        return out
 
+    assert cli.REDIS_ENV == "PREFIX_GATEWAY_REDIS_URL"
     assert "Batch API on (Redis redis://file:6379/0)" in check()
     assert "(Redis redis://env:6379/0)" in check(env="redis://env:6379/0")
     assert "(Redis redis://flag:6379/0)" in check("--redis-url", "redis://flag:6379/0",
                                                    env="redis://env:6379/0")
     assert "(Redis redis://:***@env:6379/0)" in check(env="redis://:secret@env:6379/0")
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                        str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check",
-                        "--redis-url", "localhost:6379"], capture_output=True, text=True)
-    assert r.returncode == 2 and "invalid Redis URL 'localhost:6379'" in r.stderr
+    monkeypatch.delenv(cli.REDIS_ENV, raising=False)
+    code, _, err = run_cli(capsys, "serve", "--config",
+                           str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check",
+                           "--redis-url", "localhost:6379")
+    assert code == 2 and "invalid Redis URL 'localhost:6379'" in err

@@ -60,18 +60,20 @@ ENGINE_STRINGS = ("/tokenize", "/health_generate", "/reset_prefix_cache",
 
 def string_literals(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
+    docstrings = _docstring_ids(tree)  # one walk for them, not one per constant
     return [n.value for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and not _is_docstring(n, tree)]
+            and id(n) not in docstrings]
 
 
-def _is_docstring(node: ast.Constant, tree: ast.Module) -> bool:
+def _docstring_ids(tree: ast.Module) -> set[int]:
+    """The string constants that open a body (docstrings, and bare strings placed as one)."""
+    ids = set()
     for parent in ast.walk(tree):
         body = getattr(parent, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and body[0].value is node:
-            return True
-    return False
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            ids.add(id(body[0].value))
+    return ids
 
 
 def test_engine_paths_and_metric_names_live_only_in_backends() -> None:

@@ -21,9 +21,10 @@ def test_tally_counts_unexpected_outcomes_as_failures() -> None:
 
 
 def test_a_short_soak_reports_consistent_counts(tmp_path, capsys) -> None:
-    code = main(["--seconds", "8", "--rate", "25", "--time-scale", "0.2",
-                 "--kill-every-s", "3", "--restart-after-s", "1", "--report-every-s", "3",
-                 "--sample-every-s", "1", "--settle-s", "0.5", "--json",
+    # Two kills (at 2 s and 4.5 s), two reports, ten samples, ~150 requests.
+    code = main(["--seconds", "5", "--rate", "30", "--time-scale", "0.2",
+                 "--kill-every-s", "2", "--restart-after-s", "0.5", "--report-every-s", "2",
+                 "--sample-every-s", "0.5", "--settle-s", "0.5", "--json",
                  "--log-dir", str(tmp_path)])
     assert code == 0
     captured = capsys.readouterr()
