@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from gateway import processes
 from tests.redis_server import RedisServer
@@ -129,6 +130,27 @@ def start_gateway(config: dict, tmp: Path, name: str = "gateway",
     url, proc, log_path = processes.start_gateway(config, tmp, name, deadline_s=30,
                                                   ready_path=ready_path)
     return Gateway(url, proc, tmp / f"{name}.yaml", log_path)
+
+
+def start_gateways(configs: dict[str, dict], tmp: Path) -> list[Gateway]:
+    """Start a gateway per name -> config at once (each start is mostly imports, which a
+    second core runs meanwhile) and wait until all are ready."""
+    started: list[Gateway] = []
+    for name, config in configs.items():
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        proc = processes.spawn([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                str(path), "--log-level", "warning"], str(tmp / f"{name}.log"))
+        url = f"http://{config['server'].get('host', '127.0.0.1')}:{config['server']['port']}"
+        started.append(Gateway(url, proc, path, tmp / f"{name}.log"))
+    try:
+        processes.wait_healthy([g.url for g in started], [g.proc for g in started],
+                               deadline_s=30, path="/ready")
+    except RuntimeError as exc:
+        processes.stop_all([g.proc for g in started])
+        raise RuntimeError(f"gateways did not become ready: {exc}\n"
+                           + "\n".join(g.log()[-1500:] for g in started)) from None
+    return started
 
 
 def tenant_prompt(i: int, chars: int = 2000) -> str:
