@@ -64,8 +64,7 @@ def fleet(replicas: Sims, tmp_path: Path) -> Iterator[tuple[Gateway, Sims]]:
                               ("/sim/drop_reused", {"count": 0}), ("/reset_prefix_cache", None)):
             assert httpx.post(url + control, json=body, timeout=5).status_code == 200
     # What an earlier test left running there (streams of clients gone) ends first.
-    poll(lambda: all(sim_state(u)["running"] == sim_state(u)["waiting"] == 0
-                     for u in replicas.urls), deadline_s=30)
+    poll(lambda: all(idle(sim_state(u)) for u in replicas.urls), deadline_s=30)
     gw = start_gateway(config(replicas.urls, processes.free_ports(1)[0]), tmp_path)
     yield gw, replicas
     gw.stop()
@@ -73,6 +72,10 @@ def fleet(replicas: Sims, tmp_path: Path) -> Iterator[tuple[Gateway, Sims]]:
 
 def sim_state(url: str) -> dict:
     return httpx.get(url + "/sim/state", timeout=5).json()
+
+
+def idle(state: dict) -> bool:
+    return state["running"] == 0 and state["waiting"] == 0
 
 
 def replica_stats(gw: Gateway) -> dict[str, dict]:
