@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from gateway import processes
 from tests.redis_server import RedisServer
@@ -28,24 +30,57 @@ class Sims:
     urls: list[str]
     kinds: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
+    argvs: list[list[str]] = field(default_factory=list)
+    """Each replica's `python -m backends.sim` arguments."""
+    log_dir: Path | None = None
 
     def stop(self) -> None:
         processes.stop_all(self.procs)
 
+    def revive(self, i: int) -> None:
+        """Start replica `i` again on its port, if its process (started `separate`) is gone."""
+        assert len(self.procs) == len(self.urls), "only replicas started separate=True"
+        if self.procs[i].poll() is None:
+            return
+        log = str(self.log_dir / f"sim-{i}.log") if self.log_dir else None
+        self.procs[i] = processes.spawn([sys.executable, "-m", "backends.sim", *self.argvs[i]],
+                                        log)
+        processes.wait_healthy([self.urls[i]], [self.procs[i]], deadline_s=30)
 
-def start_sims(kinds: list[str], tmp: Path, *, time_scale: float = 0.02,
+
+# Several replicas in one process: each takes its own options, as `python -m backends.sim`
+# would (sys.argv[1] is a JSON list of their argument lists). One interpreter start and one
+# import of the simulator serve them all.
+_SIM_GROUP = """
+import argparse, json, sys
+from backends.sim.cli import add_sim_arguments, specs_from_args
+from backends.sim.server import serve_sims
+parser = argparse.ArgumentParser()
+add_sim_arguments(parser)
+argvs = json.loads(sys.argv[1])
+serve_sims([s for argv in argvs for s in specs_from_args(parser.parse_args(argv))])
+"""
+
+
+def start_sims(kinds: list[str], tmp: Path, *, time_scale: float | list[float] = 0.02,
                profile: str = "llama-8b-h200", model: str = "tiny",
-               extra: tuple[str, ...] = ()) -> Sims:
-    """Start one simulated replica process per entry of `kinds` ("vllm" or "trtllm")."""
+               extra: tuple[str, ...] = (), separate: bool = False) -> Sims:
+    """Start one simulated replica per entry of `kinds` ("vllm" or "trtllm"), all in one
+    process unless `separate` (one process each: what a test that kills or freezes one
+    replica needs, through `Sims.procs[i]`). `time_scale`: one for all, or one per replica."""
     ports = processes.free_ports(len(kinds))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = []
-    for i, (port, kind) in enumerate(zip(ports, kinds, strict=True)):
-        cmd = [sys.executable, "-m", "backends.sim", "--port", str(port), "--kind", kind,
-               "--model", model, "--profile", profile, "--time-scale", str(time_scale),
-               "--name", f"sim{i}", *extra]
-        procs.append(processes.spawn(cmd, str(tmp / f"sim-{i}.log")))
-    sims = Sims(urls, kinds, procs)
+    scales = time_scale if isinstance(time_scale, list) else [time_scale] * len(kinds)
+    argvs = [["--port", str(port), "--kind", kind, "--model", model, "--profile", profile,
+              "--time-scale", str(scale), "--name", f"sim{i}", *extra]
+             for i, (port, kind, scale) in enumerate(zip(ports, kinds, scales, strict=True))]
+    if separate or len(argvs) == 1:
+        procs = [processes.spawn([sys.executable, "-m", "backends.sim", *argv],
+                                 str(tmp / f"sim-{i}.log")) for i, argv in enumerate(argvs)]
+    else:
+        procs = [processes.spawn([sys.executable, "-c", _SIM_GROUP, json.dumps(argvs)],
+                                 str(tmp / "sims.log"))]
+    sims = Sims(urls, kinds, procs, argvs, tmp)
     try:
         processes.wait_healthy(urls, procs, deadline_s=30)
     except RuntimeError:
@@ -95,6 +130,27 @@ def start_gateway(config: dict, tmp: Path, name: str = "gateway",
     url, proc, log_path = processes.start_gateway(config, tmp, name, deadline_s=30,
                                                   ready_path=ready_path)
     return Gateway(url, proc, tmp / f"{name}.yaml", log_path)
+
+
+def start_gateways(configs: dict[str, dict], tmp: Path) -> list[Gateway]:
+    """Start a gateway per name -> config at once (each start is mostly imports, which a
+    second core runs meanwhile) and wait until all are ready."""
+    started: list[Gateway] = []
+    for name, config in configs.items():
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        proc = processes.spawn([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                str(path), "--log-level", "warning"], str(tmp / f"{name}.log"))
+        url = f"http://{config['server'].get('host', '127.0.0.1')}:{config['server']['port']}"
+        started.append(Gateway(url, proc, path, tmp / f"{name}.log"))
+    try:
+        processes.wait_healthy([g.url for g in started], [g.proc for g in started],
+                               deadline_s=30, path="/ready")
+    except RuntimeError as exc:
+        processes.stop_all([g.proc for g in started])
+        raise RuntimeError(f"gateways did not become ready: {exc}\n"
+                           + "\n".join(g.log()[-1500:] for g in started)) from None
+    return started
 
 
 def tenant_prompt(i: int, chars: int = 2000) -> str:
@@ -156,11 +212,13 @@ def streaming_meanwhile(client, **extra_body) -> Iterator[None]:
 
     def stream() -> None:
         while not done.is_set():
-            for _ in client.completions.create(model="tiny", prompt="background " * 40,
-                                               max_tokens=2000, stream=True,
-                                               extra_body=extra_body or None):
-                if done.is_set():
-                    break
+            # Closed on leaving: a stream left open would keep its gateway from shutting down.
+            with client.completions.create(model="tiny", prompt="background " * 40,
+                                           max_tokens=2000, stream=True,
+                                           extra_body=extra_body or None) as chunks:
+                for _ in chunks:
+                    if done.is_set():
+                        break
 
     background = threading.Thread(target=stream)
     background.start()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +16,14 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import processes
-from tests.conftest import poll, start_gateway, start_sims, two_pool_config
+from tests.conftest import (
+    Gateway,
+    poll,
+    start_gateway,
+    start_gateways,
+    start_sims,
+    two_pool_config,
+)
 from tests.redis_server import RedisServer
 
 GROUPS = [f"You are assistant number {g} of the ACME help desk; be brief. " * 30
@@ -84,7 +92,27 @@ def group_gone(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return True
-    return False
+    # What is left may be zombies only: exited, waiting for their new parent (init, which
+    # may reap orphans only now and then) to reap them.
+    return all(state == "Z" for state in group_states(pgid))
+
+
+def group_states(pgid: int) -> list[str]:
+    """The state letter (R, S, Z...) of each process in group `pgid`; ["?"] where /proc
+    cannot tell."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return ["?"]
+    states = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return states
 
 
 def test_a_batch_survives_sigkill_of_the_whole_gateway_and_completes_once(tmp_path) -> None:
@@ -112,7 +140,7 @@ def test_a_batch_survives_sigkill_of_the_whole_gateway_and_completes_once(tmp_pa
     second = None
     try:
         c = client(url)
-        f = c.files.create(file=("fifty.jsonl", batch_file()), purpose="batch")
+        f = c.files.create(file=("fifty.jsonl", batch_file(max_tokens=8)), purpose="batch")
         batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                  completion_window="24h")
         poll(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 1,
@@ -144,13 +172,14 @@ def test_two_gateways_sharing_redis_run_every_line_exactly_once(tmp_path, redis_
     sims = start_sims(["vllm", "trtllm", "trtllm"], tmp_path, time_scale=0.2)
     batch_urls = sims.urls[1:]
     redis_cfg = redis_server.config()
-    gateways = []
+    configs = {}
+    for name, port in zip(("gw-a", "gw-b"), processes.free_ports(2), strict=True):
+        cfg = configs[name] = two_pool_config(sims.urls[:1], batch_urls, port)
+        cfg["redis"] = redis_cfg
+        cfg["batch"] = {"concurrency": 4, "poll_interval_s": 0.2}
+    gateways: list[Gateway] = []
     try:
-        for name in ("gw-a", "gw-b"):
-            cfg = two_pool_config(sims.urls[:1], batch_urls, processes.free_ports(1)[0])
-            cfg["redis"] = redis_cfg
-            cfg["batch"] = {"concurrency": 4, "poll_interval_s": 0.2}
-            gateways.append(start_gateway(cfg, tmp_path, name))
+        gateways = start_gateways(configs, tmp_path)
         a, b = (g.url for g in gateways)
         # Until both gateways hold lines, nothing can finish: each claims its share first.
         set_failing(batch_urls, True)
@@ -190,7 +219,7 @@ def test_a_batch_pauses_while_redis_restarts_and_completes_with_nothing_lost(
         cfg["batch"] = {"concurrency": 4, "poll_interval_s": 0.2}
         gw = start_gateway(cfg, tmp_path)
         c = client(gw.url)
-        f = c.files.create(file=("fifty.jsonl", batch_file()), purpose="batch")
+        f = c.files.create(file=("fifty.jsonl", batch_file(max_tokens=8)), purpose="batch")
         batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                  completion_window="24h")
         poll(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 1,

@@ -35,26 +35,47 @@ def config(urls: list[str], port: int, **pool) -> dict:
     }
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[Gateway, Sims]]:
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> Iterator[Sims]:
     """Two replicas at real speed with a slow CPU engine's profile (a long prompt takes
-    seconds of prefill), and a gateway."""
-    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=1.0, profile="vllm-cpu-tiny")
-    try:
-        gw = start_gateway(config(sims.urls, processes.free_ports(1)[0]), tmp_path)
-    except Exception:
-        sims.stop()
-        raise
-    yield gw, sims
-    gw.stop()
+    seconds of prefill), each its own process, shared by the tests of this module: a test that
+    kills one leaves it to the next test's `fleet` to start again."""
+    sims = start_sims(["vllm", "vllm"], tmp_path_factory.mktemp("replicas"), time_scale=1.0,
+                      profile="vllm-cpu-tiny", separate=True)
+    yield sims
+    thaw(sims)
+    sims.stop()
+
+
+def thaw(sims: Sims) -> None:
     for p in sims.procs:  # a frozen replica must be thawed to be stopped
         if p.poll() is None:
             os.kill(p.pid, signal.SIGCONT)
-    sims.stop()
+
+
+@pytest.fixture
+def fleet(replicas: Sims, tmp_path: Path) -> Iterator[tuple[Gateway, Sims]]:
+    """The two replicas, both running, idle and plain (no fault set, nothing cached), and a
+    gateway of this test's own."""
+    thaw(replicas)
+    for i, url in enumerate(replicas.urls):
+        replicas.revive(i)
+        for control, body in (("/sim/recover", None), ("/sim/garbage", {"mode": "off"}),
+                              ("/sim/drop_reused", {"count": 0}), ("/reset_prefix_cache", None)):
+            assert httpx.post(url + control, json=body, timeout=5).status_code == 200
+    # What an earlier test left running there (streams of clients gone) ends first.
+    poll(lambda: all(idle(sim_state(u)) for u in replicas.urls), deadline_s=30)
+    gw = start_gateway(config(replicas.urls, processes.free_ports(1)[0]), tmp_path)
+    yield gw, replicas
+    gw.stop()
 
 
 def sim_state(url: str) -> dict:
     return httpx.get(url + "/sim/state", timeout=5).json()
+
+
+def idle(state: dict) -> bool:
+    return state["running"] == 0 and state["waiting"] == 0
 
 
 def replica_stats(gw: Gateway) -> dict[str, dict]:
@@ -67,8 +88,8 @@ def client(gw: Gateway) -> openai.OpenAI:
 
 
 def long_prompt(tag: str) -> str:
-    """About 12,000 tokens: seconds of prefill on the simulated CPU engine."""
-    return f"{tag}: " + " ".join(f"clause {i} of a long unique document" for i in range(1_300))
+    """About 8,000 tokens: seconds of prefill on the simulated CPU engine."""
+    return f"{tag}: " + " ".join(f"clause {i} of a long unique document" for i in range(900))
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -136,10 +157,12 @@ def test_a_frozen_replica_leaves_rotation_and_new_requests_are_served(fleet) -> 
         while not stop.is_set():
             n += 1
             try:
-                for _ in c.completions.create(model="tiny", prompt=f"user {i} turn {n} " * 20,
-                                              max_tokens=200, stream=True):
-                    if stop.is_set():
-                        break
+                # Closed when left early: an open stream would hold its gateway's shutdown.
+                with c.completions.create(model="tiny", prompt=f"user {i} turn {n} " * 20,
+                                          max_tokens=200, stream=True) as chunks:
+                    for _ in chunks:
+                        if stop.is_set():
+                            break
             except openai.APIError as exc:  # a stream cut on the frozen replica: expected
                 if "mid-stream" not in str(exc):
                     failures.append(exc)
@@ -193,14 +216,12 @@ def test_a_replica_answering_garbage_costs_no_request_and_is_ejected(fleet, mode
 
 
 def test_a_replica_too_slow_for_first_byte_s_is_left_for_one_that_answers(tmp_path) -> None:
-    # r0 is 200 times slower than r1: its first token takes far longer than first_byte_s.
-    (tmp_path / "slow").mkdir()
-    (tmp_path / "fast").mkdir()
-    slow = start_sims(["vllm"], tmp_path / "slow", time_scale=200.0, profile="vllm-cpu-tiny")
-    fast = start_sims(["vllm"], tmp_path / "fast", time_scale=0.02, profile="vllm-cpu-tiny")
+    # r0 is 10,000 times slower than r1: its first token takes far longer than first_byte_s,
+    # r1's (milliseconds) far shorter. Each try left for that timeout costs its length.
+    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=[200.0, 0.02],
+                      profile="vllm-cpu-tiny")
     try:
-        cfg = config([*slow.urls, *fast.urls], processes.free_ports(1)[0],
-                     timeouts={"first_byte_s": 1.0})
+        cfg = config(sims.urls, processes.free_ports(1)[0], timeouts={"first_byte_s": 0.5})
         gw = start_gateway(cfg, tmp_path)
         try:
             c = client(gw)
@@ -214,5 +235,4 @@ def test_a_replica_too_slow_for_first_byte_s_is_left_for_one_that_answers(tmp_pa
         finally:
             gw.stop()
     finally:
-        slow.stop()
-        fast.stop()
+        sims.stop()

@@ -14,12 +14,19 @@ import pytest
 
 from gateway import processes
 from gateway.defaults import one_pool_config
-from tests.conftest import poll, start_gateway, start_sims, two_pool_config
+from tests.conftest import Sims, poll, start_gateway, start_sims, two_pool_config
 
 
 def start_small_fleet(tmp_path, probe_interval_s: float = 0.2):
-    """Two realtime replicas and one batch replica behind a gateway."""
-    sims = start_sims(["vllm", "vllm", "trtllm"], tmp_path)
+    """Two realtime replicas and one batch replica behind a gateway; the first replica in a
+    process of its own (`sims.procs[0]`), to stop it alone."""
+    alone = start_sims(["vllm"], tmp_path)
+    try:
+        rest = start_sims(["vllm", "trtllm"], tmp_path)
+    except Exception:
+        alone.stop()
+        raise
+    sims = Sims(alone.urls + rest.urls, alone.kinds + rest.kinds, alone.procs + rest.procs)
     port = processes.free_ports(1)[0]
     config = two_pool_config(sims.urls[:2], sims.urls[2:], port)
     for pool in config["pools"]:
@@ -136,8 +143,10 @@ def test_connect_timeout_to_the_only_replica_is_tried_once_more(tmp_path) -> Non
     sims = start_sims(["vllm"], tmp_path)
     stalled = StalledListener(int(sims.urls[0].rsplit(":", 1)[1]))
     port = processes.free_ports(1)[0]
+    # The kernel resends an unanswered SYN 1 s and 3 s after the first: a connect timeout of
+    # 4 s lets the second try connect on either resend, whenever the listener opens in time.
     config = one_pool_config([f"http://127.0.0.1:{stalled.port}"], port,
-                             server={"connect_timeout_s": 5.0, "max_attempts": 3},
+                             server={"connect_timeout_s": 4.0, "max_attempts": 3},
                              health={"interval_s": 30, "timeout_s": 0.2,
                                      "metrics_interval_s": 30})
     # Not /ready: the stalled replica's probe timed out, so no replica is healthy; it is only a

@@ -31,7 +31,7 @@ class ScriptedReplica:
 
 def make_pool() -> tuple[Pool, dict[str, ScriptedReplica], HealthMonitor, GatewayMetrics]:
     spec = PoolSpec("p", "vllm", ("m",), (ReplicaSpec("a", A), ReplicaSpec("b", B)),
-                    health=HealthTiming(failure_threshold=2, timeout_s=0.5))
+                    health=HealthTiming(failure_threshold=2, timeout_s=0.25))
     pool = Pool(spec, Router((), build_policy("least_load")))
     replicas = {A: ScriptedReplica(), B: ScriptedReplica()}
     metrics = GatewayMetrics()

@@ -20,7 +20,7 @@ from gateway import processes
 from tests.conftest import Gateway, Sims, poll, start_gateway, start_sims
 
 # Long enough for a loaded CI machine to connect and send a request, short enough for a test.
-SHORT_S = 1.0
+SHORT_S = 0.5
 
 
 def config(url: str, port: int, **server) -> dict:
@@ -146,14 +146,23 @@ def limited_to(fds: int):
     return lambda cmd: [sys.executable, "-c", shim, *cmd]
 
 
-@pytest.mark.parametrize("flood", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"],
-                         ids=["idle", "slowloris"])
-def test_new_clients_are_served_during_a_flood_at_the_descriptor_limit(
-        sim: Sims, tmp_path: Path, flood: bytes) -> None:
+@pytest.fixture(scope="module")
+def limited_gw(sim: Sims, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A gateway with 256 file descriptors, shared by the floods (each closes its own)."""
     port = processes.free_ports(1)[0]
     # Timeouts far longer than the test: only shedding can make room for the new client.
     cfg = config(sim.urls[0], port, header_timeout_s=600, keepalive_timeout_s=600)
-    url, proc, _ = processes.start_gateway(cfg, tmp_path, wrap=limited_to(256), deadline_s=30)
+    url, proc, _ = processes.start_gateway(cfg, tmp_path_factory.mktemp("limited"),
+                                           wrap=limited_to(256), deadline_s=30)
+    yield url, proc
+    processes.stop_all([proc])
+
+
+@pytest.mark.parametrize("flood", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"],
+                         ids=["idle", "slowloris"])
+def test_new_clients_are_served_during_a_flood_at_the_descriptor_limit(
+        limited_gw: tuple[str, subprocess.Popen], flood: bytes) -> None:
+    url, proc = limited_gw
     flooders: list[socket.socket] = []
     try:
         # More connections than the process has descriptors for.
@@ -181,7 +190,6 @@ def test_new_clients_are_served_during_a_flood_at_the_descriptor_limit(
     finally:
         for sock in flooders:
             sock.close()
-        processes.stop_all([proc])
 
 
 def test_a_port_in_use_fails_with_a_clear_error_and_no_serving_line(sim: Sims,

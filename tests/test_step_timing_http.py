@@ -23,10 +23,14 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
         try:
             client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
             with streaming_meanwhile(client):
-                for i in range(40):
+                # Until the rate is learned (20 samples, about one per request), or 80 sent.
+                for i in range(80):
                     prompt = f"request {i}: " + "fresh words that nobody cached before " * 100
                     client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
-                stats = httpx.get(gw.url + "/admin/stats").json()
+                    if i >= 19:
+                        stats = httpx.get(gw.url + "/admin/stats").json()
+                        if stats["pools"][0]["prefill_tokens_per_s"]:
+                            break
         finally:
             gw.stop()
     finally:
