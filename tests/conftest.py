@@ -258,3 +258,13 @@ def pytest_runtest_makereport(item, call):
             lines = log.read_text(errors="replace").splitlines()[-40:]
             report.sections.append((f"tail of {log.name}", "\n".join(lines)))
     return report
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (the default, pyproject.toml): the fast suite (`-m "not engine"`) runs on one
+    worker per core; any run that may include the real-engine tests runs in one process, as
+    those engines take every core and their deadlines assume it."""
+    expr = config.option.markexpr or ""
+    if "not engine" not in expr.replace("  ", " "):
+        return 0
+    return len(os.sched_getaffinity(0))

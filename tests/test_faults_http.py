@@ -124,6 +124,60 @@ def test_a_replica_killed_during_prefill_costs_no_request(fleet, stream: bool) -
     assert result["text"] and result["replica"] == f"r{1 - victim}"
 
 
+def test_a_replica_killed_during_a_long_prefill_under_load_costs_no_client_its_request(
+        fleet) -> None:
+    """Twelve clients at once, long and short prompts, streaming and not; the replica busy
+    prefilling a long one is killed. No request that had received no content is lost: every
+    non-streaming one is answered, and a stream fails only if content had reached its client
+    before (it then ends with an error event)."""
+    gw, sims = fleet
+    outcomes: dict[int, tuple[str, bool, str]] = {}
+    """request -> (replica, content received before any error, error or '')."""
+
+    def ask(i: int) -> None:
+        stream, long = i % 2 == 0, i % 3 == 0
+        content = long_prompt(f"load {i}") if long else f"request {i}: say something"
+        got, replica = False, ""
+        try:
+            raw = client(gw).chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": content}],
+                max_tokens=40, stream=stream)
+            replica = raw.headers["x-gateway-replica"]
+            if stream:
+                for ch in raw.parse():
+                    got = got or bool(ch.choices and ch.choices[0].delta.content)
+            else:
+                got = bool(raw.parse().choices[0].message.content)
+            outcomes[i] = (replica, got, "")
+        except openai.APIError as exc:
+            outcomes[i] = (replica, got, f"{type(exc).__name__}: {exc}")
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for t in askers:
+        t.start()
+
+    def prefilling_under_load() -> tuple[int] | None:
+        states = [sim_state(u) for u in sims.urls]
+        for i, st in enumerate(states):
+            if st["pending_prefill_tokens"] > 1000 and st["running"] + st["waiting"] >= 2:
+                return (i,)
+        return None
+
+    (victim,) = poll(prefilling_under_load, deadline_s=30)
+    sims.procs[victim].kill()
+    for t in askers:
+        t.join(timeout=120)
+    assert len(outcomes) == 12
+    lost = {i: o for i, o in outcomes.items() if o[2] and not o[1]}
+    assert not lost, f"requests failed with no content received: {lost}"
+    for i, (replica, got, error) in outcomes.items():
+        if i % 2:  # non-streaming: never anything sent before the answer, so always answered
+            assert got and not error, (i, outcomes[i])
+        if error:  # only a stream that was already under way on the victim may fail
+            assert i % 2 == 0 and replica == f"r{victim}", (i, outcomes[i])
+    assert any(r == f"r{1 - victim}" for r, _, _ in outcomes.values())
+
+
 def test_a_replica_killed_mid_stream_ends_the_stream_and_leaves_rotation(fleet) -> None:
     gw, sims = fleet
     raw = client(gw).completions.with_raw_response.create(
