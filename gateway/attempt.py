@@ -67,8 +67,8 @@ class Attempt:
     # Until something reaches the client, the try can be cut short and tried elsewhere.
 
     def hold(self, timer: asyncio.Timeout | None, task: asyncio.Task | None) -> None:
-        """From now (timer and task given) until `sent()` or `hold(None, None)`, the try may
-        be interrupted: `timer` is its first_byte_s, `task` the one to cancel."""
+        """From now (timer and task given) until `sent()`, `end()` or `hold(None, None)`, the
+        try may be interrupted: `timer` is its first_byte_s, `task` the one to cancel."""
         self._timer = timer
         self._task = task
         if task is not None:
@@ -104,6 +104,7 @@ class Attempt:
             return
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
+        self._task = None  # nothing left to interrupt
         self.replica.holding.discard(self)
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)

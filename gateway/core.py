@@ -7,8 +7,8 @@ that holds a parsed request, such as a batch runner.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -43,7 +43,34 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
-_NO_TIMER = contextlib.nullcontext(None)
+
+
+class _Done:
+    """An awaitable that is done at once, with None: no coroutine to create and run."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
+
+
+class _NoTimer:
+    """`async with` doing nothing and giving None: contextlib.nullcontext without its two
+    coroutines (this one is entered by every try)."""
+
+    __slots__ = ()
+
+    def __aenter__(self) -> _Done:
+        return _DONE
+
+    def __aexit__(self, *exc: object) -> _Done:
+        return _DONE
+
+
+_NO_TIMER = _NoTimer()
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
 
 
@@ -335,7 +362,10 @@ class RequestCore:
                 attempt.hold(timer, task)
                 link.interrupt(attempt.client_left)
                 try:
-                    resp = await self._send(call, replica, url, headers, timeouts)
+                    resp = await self.state.upstream.request(
+                        "POST", url, body=call.body, headers=headers, timeouts=timeouts)
+                except ConnectionDropped as exc:
+                    resp = await self._resend(call, replica, url, headers, exc, timeouts)
                 finally:
                     link.interrupt(None)
                 if resp.status in _RETRYABLE and not final:
@@ -392,7 +422,6 @@ class RequestCore:
                 monitor.request_failed(pool, replica, detail)
             return self._failed_before_content(call, attempt, detail, why, final)
         finally:
-            attempt.hold(None, None)
             if not streamed:  # a stream releases its response and ends its try at its end
                 if resp is not None:
                     link.upstream = None
@@ -412,14 +441,6 @@ class RequestCore:
         # The detail names the replica and its failure: for the log, not the client.
         log.warning("502 to the client: %s/%s", call.pool.name, detail)
         return error_reply(upstream_failed(call.pool.name))
-
-    async def _send(self, call: _Call, replica: ReplicaState, url: str,
-                    headers: dict[str, str], timeouts: Timeouts) -> UpstreamResponse:
-        try:
-            return await self.state.upstream.request(
-                "POST", url, body=call.body, headers=headers, timeouts=timeouts)
-        except ConnectionDropped as exc:
-            return await self._resend(call, replica, url, headers, exc, timeouts)
 
     async def _resend(self, call: _Call, replica: ReplicaState, url: str,
                       headers: dict[str, str], exc: ConnectionDropped,

@@ -198,12 +198,13 @@ class StreamBody:
     """The replica's stream as the client's body. Whoever consumes it must `aclose()` it (a
     class, not a generator: an unstarted generator's `finally` never runs)."""
 
-    __slots__ = ("_attempt", "_chunks", "_done", "_held", "_link", "_resp", "on_end")
+    __slots__ = ("_attempt", "_chunks", "_done", "_held", "_link", "_replica", "_resp", "on_end")
 
     def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                  chunks: AsyncIterator[bytes], held: bytes) -> None:
         self._resp = resp
         self._attempt = attempt
+        self._replica = attempt.replica
         self._link = link
         self._chunks = chunks
         self._held = held
@@ -222,7 +223,7 @@ class StreamBody:
             held, self._held = self._held, b""
             return held
         # A wait the stall watch sees (this stream had content: its replica should send).
-        replica = self._attempt.replica
+        replica = self._replica
         if not replica.reads:
             replica.reads_since = perf_counter()
         replica.reads += 1
