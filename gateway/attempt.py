@@ -39,11 +39,11 @@ class Attempt:
         self.saw_first = False
         self._ended = False
         self.monitor = monitor
-        self._timer: asyncio.Timeout | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
         self.interrupted: str | None = None
         """Why the try was cut short before anything reached the client (client_gone,
-        stalled), None if it was not."""
+        stalled, first_byte_timeout), None if it was not."""
         self.ended_early = False
         """The replica's response was abandoned: drop its connection, do not reuse it."""
         pool.router.dispatched(decision)
@@ -62,19 +62,23 @@ class Attempt:
             self.saw_first = True
             router.first_token(self.decision, now, self.sent_at)
             if self._timer is not None:  # first_byte_s bounds the wait for content only
-                self._timer.reschedule(None)
+                self._timer.cancel()
+                self._timer = None
 
     # Until something reaches the client, the try can be cut short and tried elsewhere.
 
-    def hold(self, timer: asyncio.Timeout | None, task: asyncio.Task | None) -> None:
-        """From now (timer and task given) until `sent()`, `end()` or `hold(None, None)`, the
-        try may be interrupted: `timer` is its first_byte_s, `task` the one to cancel."""
-        self._timer = timer
+    def hold(self, task: asyncio.Task | None, first_byte: float | None = None) -> None:
+        """From now until `sent()` or `end()`, the try may be interrupted: `task` is the one
+        to cancel; `first_byte` (seconds) interrupts it (first_byte_timeout) if no content
+        has come by then. A timer, not an asyncio.timeout() context: one costs nothing
+        without a limit, the other two coroutines on every try."""
         self._task = task
-        if task is not None:
-            self.replica.holding.add(self)
-        else:
-            self.replica.holding.discard(self)
+        if task is None:
+            return
+        self.replica.holding.add(self)
+        if first_byte is not None:
+            self._timer = asyncio.get_running_loop().call_later(
+                first_byte, self.interrupt, "first_byte_timeout")
 
     def sent(self) -> None:
         """The response is going to the client: it can no longer be tried elsewhere."""
@@ -82,7 +86,7 @@ class Attempt:
             self.replica.holding.discard(self)
             self._task = None
         if self._timer is not None:
-            self._timer.reschedule(None)
+            self._timer.cancel()
             self._timer = None
 
     def interrupt(self, why: str) -> None:
@@ -105,6 +109,9 @@ class Attempt:
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
         self._task = None  # nothing left to interrupt
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.replica.holding.discard(self)
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -44,33 +43,6 @@ log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
 
-
-class _Done:
-    """An awaitable that is done at once, with None: no coroutine to create and run."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Iterator[None]:
-        return iter(())
-
-
-_DONE = _Done()
-
-
-class _NoTimer:
-    """`async with` doing nothing and giving None: contextlib.nullcontext without its two
-    coroutines (this one is entered by every try)."""
-
-    __slots__ = ()
-
-    def __aenter__(self) -> _Done:
-        return _DONE
-
-    def __aexit__(self, *exc: object) -> _Done:
-        return _DONE
-
-
-_NO_TIMER = _NoTimer()
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
 
 
@@ -356,45 +328,42 @@ class RequestCore:
         resp: UpstreamResponse | None = None
         streamed = False
         try:
-            # No timer at all without a first_byte_s: the context costs on every request.
-            async with (_NO_TIMER if timeouts.first_byte is None
-                        else asyncio.timeout(timeouts.first_byte)) as timer:
-                attempt.hold(timer, task)
-                link.interrupt(attempt.client_left)
-                try:
-                    resp = await self.state.upstream.request(
-                        "POST", url, body=call.body, headers=headers, timeouts=timeouts)
-                except ConnectionDropped as exc:
-                    resp = await self._resend(call, replica, url, headers, exc, timeouts)
-                finally:
-                    link.interrupt(None)
-                if resp.status in _RETRYABLE and not final:
-                    detail = f"{name}: HTTP {resp.status}"
-                    monitor.request_failed(pool, replica, detail, hard=resp.status == 503)
-                    attempt.end(Outcome.TRY_ANOTHER)
-                    return _Failure(detail, "status")
-                link.attach(resp)
-                extra = self._route_headers(pool, replica, decision)
-                if resp.status >= 400:
-                    if resp.status >= 500:
-                        monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
-                    attempt.sent()
-                    return await relay_error_status(resp, attempt, link, extra,
-                                                    self.max_response)
-                if call.request.stream:
-                    reply = await relay_stream(resp, attempt, link, extra)
-                    streamed = isinstance(reply.body, StreamBody)
-                elif call.assemble:
-                    reply = await relay_assembled(resp, attempt, link, extra,
-                                                  call.request.chat, self.max_response)
-                else:
-                    attempt.sent()  # the body is read whole: its first byte is its headers
-                    reply = await relay_passthrough(resp, attempt, link, extra,
-                                                    self.max_response)
+            attempt.hold(task, timeouts.first_byte)
+            link.interrupt(attempt.client_left)
+            try:
+                resp = await self.state.upstream.request(
+                    "POST", url, body=call.body, headers=headers, timeouts=timeouts)
+            except ConnectionDropped as exc:
+                resp = await self._resend(call, replica, url, headers, exc, timeouts)
+            finally:
+                link.interrupt(None)
+            if resp.status in _RETRYABLE and not final:
+                detail = f"{name}: HTTP {resp.status}"
+                monitor.request_failed(pool, replica, detail, hard=resp.status == 503)
+                attempt.end(Outcome.TRY_ANOTHER)
+                return _Failure(detail, "status")
+            link.attach(resp)
+            extra = self._route_headers(pool, replica, decision)
+            if resp.status >= 400:
+                if resp.status >= 500:
+                    monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
                 attempt.sent()
-                if reply.status < 500:
-                    monitor.request_succeeded(pool, replica)
-                return reply
+                return await relay_error_status(resp, attempt, link, extra,
+                                                self.max_response)
+            if call.request.stream:
+                reply = await relay_stream(resp, attempt, link, extra)
+                streamed = isinstance(reply.body, StreamBody)
+            elif call.assemble:
+                reply = await relay_assembled(resp, attempt, link, extra,
+                                              call.request.chat, self.max_response)
+            else:
+                attempt.sent()  # the body is read whole: its first byte is its headers
+                reply = await relay_passthrough(resp, attempt, link, extra,
+                                                self.max_response)
+            attempt.sent()
+            if reply.status < 500:
+                monitor.request_succeeded(pool, replica)
+            return reply
         except ConnectFailed as exc:
             detail = f"{name}: {exc}"
             monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
@@ -405,14 +374,11 @@ class RequestCore:
             detail = f"{name}: {exc.detail.split(':', 1)[0]} while reading the response"
             monitor.request_failed(pool, replica, detail, hard=exc.broken)
             return self._failed_before_content(call, attempt, detail, "read", final)
-        except (TimeoutError, asyncio.CancelledError) as exc:
+        except asyncio.CancelledError:
             why = attempt.interrupted
             attempt.ended_early = True
-            if isinstance(exc, asyncio.CancelledError):
-                if why is None or task is None or task.uncancel():
-                    raise  # cancelled from outside (shutdown), not by this try
-            elif why is None:
-                why = "first_byte_timeout"
+            if why is None or task is None or task.uncancel():
+                raise  # cancelled from outside (shutdown), not by this try
             if why == "client_gone":
                 attempt.end(Outcome.CLIENT_GONE)
                 return Reply(499, [], b"")
