@@ -70,11 +70,12 @@ class Attempt:
     def hold(self, task: asyncio.Task | None, first_byte: float | None = None) -> None:
         """From now until `sent()` or `end()`, the try may be interrupted: `task` is the one
         to cancel; `first_byte` (seconds) interrupts it (first_byte_timeout) if no content
-        has come by then. A timer, not an asyncio.timeout() context: one costs nothing
-        without a limit, the other two coroutines on every try."""
-        self._task = task
+        has come by then (a timer, not an asyncio.timeout() context: that would cost two
+        coroutines on every try, limit or none). `task` None: as `sent()`."""
         if task is None:
+            self.sent()
             return
+        self._task = task
         self.replica.holding.add(self)
         if first_byte is not None:
             self._timer = asyncio.get_running_loop().call_later(
@@ -108,11 +109,12 @@ class Attempt:
             return
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
-        self._task = None  # nothing left to interrupt
+        if self._task is not None:  # still held: nothing left to interrupt
+            self._task = None
+            self.replica.holding.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self.replica.holding.discard(self)
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:

@@ -361,8 +361,8 @@ class RequestCore:
                 reply = await relay_passthrough(resp, attempt, link, extra,
                                                 self.max_response)
             attempt.sent()
-            if reply.status < 500:
-                monitor.request_succeeded(pool, replica)
+            if reply.status < 500 and (replica.live_failures or replica.ejections):
+                monitor.request_succeeded(pool, replica)  # (nothing to reset, most often)
             return reply
         except ConnectFailed as exc:
             detail = f"{name}: {exc}"

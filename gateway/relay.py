@@ -159,10 +159,10 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
     """
     chunks = resp.chunks()
     watcher = attempt.watcher
-    held: list[bytes] = []
+    held: list[bytes] = []  # what came before the chunk with content (most often nothing)
     size = 0
     try:
-        while watcher.first_token_at is None:
+        while True:
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -170,13 +170,16 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
                 if b"[DONE]" not in b"".join(held[-2:]):
                     raise ReadFailure("EmptyStream: the stream ended before any content"
                                       ) from None
+                chunk = b""
                 break
             attempt.observe(chunk)
-            held.append(chunk)
-            size += len(chunk)
             if watcher.error is not None:
                 raise ReadFailure("StreamError: the replica sent an error event before any "
                                   f"content: {_error_text(watcher.error)}")
+            if watcher.first_token_at is not None:
+                break
+            held.append(chunk)
+            size += len(chunk)
             if size > HOLD_LIMIT:
                 raise ReadFailure(f"NoContent: no content in the first {HOLD_LIMIT} bytes")
     except ReadFailed as exc:
@@ -184,8 +187,11 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
             attempt.end(Outcome.CLIENT_GONE)
             return Reply(499, [], b"")
         raise ReadFailure(str(exc), not exc.timed_out) from None
+    if held:
+        held.append(chunk)
+        chunk = b"".join(held)
     return Reply(resp.status, [*SSE_HEADERS, *extra],
-                 StreamBody(resp, attempt, link, chunks, b"".join(held)))
+                 StreamBody(resp, attempt, link, chunks, chunk))
 
 
 def _error_text(error: dict) -> str:
