@@ -39,11 +39,11 @@ class Attempt:
         self.saw_first = False
         self._ended = False
         self.monitor = monitor
-        self._timer: asyncio.Timeout | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
         self.interrupted: str | None = None
         """Why the try was cut short before anything reached the client (client_gone,
-        stalled), None if it was not."""
+        stalled, first_byte_timeout), None if it was not."""
         self.ended_early = False
         """The replica's response was abandoned: drop its connection, do not reuse it."""
         pool.router.dispatched(decision)
@@ -62,19 +62,24 @@ class Attempt:
             self.saw_first = True
             router.first_token(self.decision, now, self.sent_at)
             if self._timer is not None:  # first_byte_s bounds the wait for content only
-                self._timer.reschedule(None)
+                self._timer.cancel()
+                self._timer = None
 
     # Until something reaches the client, the try can be cut short and tried elsewhere.
 
-    def hold(self, timer: asyncio.Timeout | None, task: asyncio.Task | None) -> None:
-        """From now (timer and task given) until `sent()` or `hold(None, None)`, the try may
-        be interrupted: `timer` is its first_byte_s, `task` the one to cancel."""
-        self._timer = timer
+    def hold(self, task: asyncio.Task | None, first_byte: float | None = None) -> None:
+        """From now until `sent()` or `end()`, the try may be interrupted: `task` is the one
+        to cancel; `first_byte` (seconds) interrupts it (first_byte_timeout) if no content
+        has come by then (a timer, not an asyncio.timeout() context: that would cost two
+        coroutines on every try, limit or none). `task` None: as `sent()`."""
+        if task is None:
+            self.sent()
+            return
         self._task = task
-        if task is not None:
-            self.replica.holding.add(self)
-        else:
-            self.replica.holding.discard(self)
+        self.replica.holding.add(self)
+        if first_byte is not None:
+            self._timer = asyncio.get_running_loop().call_later(
+                first_byte, self.interrupt, "first_byte_timeout")
 
     def sent(self) -> None:
         """The response is going to the client: it can no longer be tried elsewhere."""
@@ -82,7 +87,7 @@ class Attempt:
             self.replica.holding.discard(self)
             self._task = None
         if self._timer is not None:
-            self._timer.reschedule(None)
+            self._timer.cancel()
             self._timer = None
 
     def interrupt(self, why: str) -> None:
@@ -104,7 +109,12 @@ class Attempt:
             return
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
-        self.replica.holding.discard(self)
+        if self._task is not None:  # still held: nothing left to interrupt
+            self._task = None
+            self.replica.holding.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:

@@ -7,7 +7,6 @@ that holds a parsed request, such as a batch runner.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -43,7 +42,7 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
-_NO_TIMER = contextlib.nullcontext(None)
+
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
 
 
@@ -329,42 +328,42 @@ class RequestCore:
         resp: UpstreamResponse | None = None
         streamed = False
         try:
-            # No timer at all without a first_byte_s: the context costs on every request.
-            async with (_NO_TIMER if timeouts.first_byte is None
-                        else asyncio.timeout(timeouts.first_byte)) as timer:
-                attempt.hold(timer, task)
-                link.interrupt(attempt.client_left)
-                try:
-                    resp = await self._send(call, replica, url, headers, timeouts)
-                finally:
-                    link.interrupt(None)
-                if resp.status in _RETRYABLE and not final:
-                    detail = f"{name}: HTTP {resp.status}"
-                    monitor.request_failed(pool, replica, detail, hard=resp.status == 503)
-                    attempt.end(Outcome.TRY_ANOTHER)
-                    return _Failure(detail, "status")
-                link.attach(resp)
-                extra = self._route_headers(pool, replica, decision)
-                if resp.status >= 400:
-                    if resp.status >= 500:
-                        monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
-                    attempt.sent()
-                    return await relay_error_status(resp, attempt, link, extra,
-                                                    self.max_response)
-                if call.request.stream:
-                    reply = await relay_stream(resp, attempt, link, extra)
-                    streamed = isinstance(reply.body, StreamBody)
-                elif call.assemble:
-                    reply = await relay_assembled(resp, attempt, link, extra,
-                                                  call.request.chat, self.max_response)
-                else:
-                    attempt.sent()  # the body is read whole: its first byte is its headers
-                    reply = await relay_passthrough(resp, attempt, link, extra,
-                                                    self.max_response)
+            attempt.hold(task, timeouts.first_byte)
+            link.interrupt(attempt.client_left)
+            try:
+                resp = await self.state.upstream.request(
+                    "POST", url, body=call.body, headers=headers, timeouts=timeouts)
+            except ConnectionDropped as exc:
+                resp = await self._resend(call, replica, url, headers, exc, timeouts)
+            finally:
+                link.interrupt(None)
+            if resp.status in _RETRYABLE and not final:
+                detail = f"{name}: HTTP {resp.status}"
+                monitor.request_failed(pool, replica, detail, hard=resp.status == 503)
+                attempt.end(Outcome.TRY_ANOTHER)
+                return _Failure(detail, "status")
+            link.attach(resp)
+            extra = self._route_headers(pool, replica, decision)
+            if resp.status >= 400:
+                if resp.status >= 500:
+                    monitor.request_failed(pool, replica, f"{name}: HTTP {resp.status}")
                 attempt.sent()
-                if reply.status < 500:
-                    monitor.request_succeeded(pool, replica)
-                return reply
+                return await relay_error_status(resp, attempt, link, extra,
+                                                self.max_response)
+            if call.request.stream:
+                reply = await relay_stream(resp, attempt, link, extra)
+                streamed = isinstance(reply.body, StreamBody)
+            elif call.assemble:
+                reply = await relay_assembled(resp, attempt, link, extra,
+                                              call.request.chat, self.max_response)
+            else:
+                attempt.sent()  # the body is read whole: its first byte is its headers
+                reply = await relay_passthrough(resp, attempt, link, extra,
+                                                self.max_response)
+            attempt.sent()
+            if reply.status < 500 and (replica.live_failures or replica.ejections):
+                monitor.request_succeeded(pool, replica)  # (nothing to reset, most often)
+            return reply
         except ConnectFailed as exc:
             detail = f"{name}: {exc}"
             monitor.mark_failed(pool, replica, detail, suspect=exc.timed_out)
@@ -375,14 +374,11 @@ class RequestCore:
             detail = f"{name}: {exc.detail.split(':', 1)[0]} while reading the response"
             monitor.request_failed(pool, replica, detail, hard=exc.broken)
             return self._failed_before_content(call, attempt, detail, "read", final)
-        except (TimeoutError, asyncio.CancelledError) as exc:
+        except asyncio.CancelledError:
             why = attempt.interrupted
             attempt.ended_early = True
-            if isinstance(exc, asyncio.CancelledError):
-                if why is None or task is None or task.uncancel():
-                    raise  # cancelled from outside (shutdown), not by this try
-            elif why is None:
-                why = "first_byte_timeout"
+            if why is None or task is None or task.uncancel():
+                raise  # cancelled from outside (shutdown), not by this try
             if why == "client_gone":
                 attempt.end(Outcome.CLIENT_GONE)
                 return Reply(499, [], b"")
@@ -392,7 +388,6 @@ class RequestCore:
                 monitor.request_failed(pool, replica, detail)
             return self._failed_before_content(call, attempt, detail, why, final)
         finally:
-            attempt.hold(None, None)
             if not streamed:  # a stream releases its response and ends its try at its end
                 if resp is not None:
                     link.upstream = None
@@ -412,14 +407,6 @@ class RequestCore:
         # The detail names the replica and its failure: for the log, not the client.
         log.warning("502 to the client: %s/%s", call.pool.name, detail)
         return error_reply(upstream_failed(call.pool.name))
-
-    async def _send(self, call: _Call, replica: ReplicaState, url: str,
-                    headers: dict[str, str], timeouts: Timeouts) -> UpstreamResponse:
-        try:
-            return await self.state.upstream.request(
-                "POST", url, body=call.body, headers=headers, timeouts=timeouts)
-        except ConnectionDropped as exc:
-            return await self._resend(call, replica, url, headers, exc, timeouts)
 
     async def _resend(self, call: _Call, replica: ReplicaState, url: str,
                       headers: dict[str, str], exc: ConnectionDropped,

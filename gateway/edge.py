@@ -106,23 +106,39 @@ class InferenceEndpoint:
             link.stop()
 
 
+WATCH_AFTER_S = 0.05
+"""How long a try waits for its replica's answer before the client's disconnect is listened
+for (see `EdgeLink.watch_soon`)."""
+
+
 class EdgeLink(ClientLink):
     """A ClientLink that listens for the ASGI client's disconnect, from the moment the core
     queues the request for admission or registers an upstream response, until the reply is
     sent."""
 
-    __slots__ = ("_receive", "_watcher")
+    __slots__ = ("_receive", "_soon", "_watcher")
 
     def __init__(self, receive) -> None:
         super().__init__()
         self._receive = receive
         self._watcher: asyncio.Task | None = None
+        self._soon: asyncio.TimerHandle | None = None
 
     def watch(self) -> None:
         if self._watcher is None:
             self._watcher = asyncio.create_task(self._listen())
 
+    def watch_soon(self) -> None:
+        # Most replicas answer (their headers) within a millisecond or two: a listener started
+        # at once would run, and be torn down, for nearly every request, for nothing. One that
+        # starts WATCH_AFTER_S into the wait still drops a request whose client left long
+        # before its answer.
+        if self._watcher is None and self._soon is None:
+            self._soon = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self.watch)
+
     def stop(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
 

@@ -102,7 +102,18 @@ class ClientLink:
     def interrupt(self, on_gone: Callable[[], None] | None) -> None:
         """While a replica has not answered yet: `on_gone` interrupts the wait if the client
         leaves (called at once if it already has). None: the wait is over."""
-        self.queued(on_gone)
+        self.on_gone = on_gone
+        if on_gone is None:
+            return
+        if self.gone:
+            self.client_gone()
+        else:
+            self.watch_soon()
+
+    def watch_soon(self) -> None:
+        """Like `watch`, for a wait that most often ends within moments (a replica's answer):
+        a subclass may start listening a little later, once the wait has lasted."""
+        self.watch()
 
     def attach(self, upstream: UpstreamResponse) -> None:
         """The response now being read; dropped at once if the client has already left."""

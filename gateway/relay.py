@@ -159,10 +159,10 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
     """
     chunks = resp.chunks()
     watcher = attempt.watcher
-    held: list[bytes] = []
+    held: list[bytes] = []  # what came before the chunk with content (most often nothing)
     size = 0
     try:
-        while watcher.first_token_at is None:
+        while True:
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -170,13 +170,16 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
                 if b"[DONE]" not in b"".join(held[-2:]):
                     raise ReadFailure("EmptyStream: the stream ended before any content"
                                       ) from None
+                chunk = b""
                 break
             attempt.observe(chunk)
-            held.append(chunk)
-            size += len(chunk)
             if watcher.error is not None:
                 raise ReadFailure("StreamError: the replica sent an error event before any "
                                   f"content: {_error_text(watcher.error)}")
+            if watcher.first_token_at is not None:
+                break
+            held.append(chunk)
+            size += len(chunk)
             if size > HOLD_LIMIT:
                 raise ReadFailure(f"NoContent: no content in the first {HOLD_LIMIT} bytes")
     except ReadFailed as exc:
@@ -184,8 +187,11 @@ async def relay_stream(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
             attempt.end(Outcome.CLIENT_GONE)
             return Reply(499, [], b"")
         raise ReadFailure(str(exc), not exc.timed_out) from None
+    if held:
+        held.append(chunk)
+        chunk = b"".join(held)
     return Reply(resp.status, [*SSE_HEADERS, *extra],
-                 StreamBody(resp, attempt, link, chunks, b"".join(held)))
+                 StreamBody(resp, attempt, link, chunks, chunk))
 
 
 def _error_text(error: dict) -> str:
@@ -198,12 +204,13 @@ class StreamBody:
     """The replica's stream as the client's body. Whoever consumes it must `aclose()` it (a
     class, not a generator: an unstarted generator's `finally` never runs)."""
 
-    __slots__ = ("_attempt", "_chunks", "_done", "_held", "_link", "_resp", "on_end")
+    __slots__ = ("_attempt", "_chunks", "_done", "_held", "_link", "_replica", "_resp", "on_end")
 
     def __init__(self, resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                  chunks: AsyncIterator[bytes], held: bytes) -> None:
         self._resp = resp
         self._attempt = attempt
+        self._replica = attempt.replica
         self._link = link
         self._chunks = chunks
         self._held = held
@@ -222,7 +229,7 @@ class StreamBody:
             held, self._held = self._held, b""
             return held
         # A wait the stall watch sees (this stream had content: its replica should send).
-        replica = self._attempt.replica
+        replica = self._replica
         if not replica.reads:
             replica.reads_since = perf_counter()
         replica.reads += 1
