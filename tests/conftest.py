@@ -262,9 +262,10 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (the default, pyproject.toml): the fast suite (`-m "not engine"`) runs on one
-    worker per core; any run that may include the real-engine tests runs in one process, as
-    those engines take every core and their deadlines assume it."""
+    worker per core and one more (many tests spend part of their time waiting on the
+    processes they started); any run that may include the real-engine tests runs in one
+    process, as those engines take every core and their deadlines assume it."""
     expr = config.option.markexpr or ""
     if "not engine" not in expr.replace("  ", " "):
         return 0
-    return len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0)) + 1
