@@ -91,24 +91,22 @@ class ClientLink:
     def queued(self, on_gone: Callable[[], None] | None) -> None:
         """The request waits in an admission queue: `on_gone` drops it from there if the
         client leaves (called at once if it already has). None: it left the queue."""
-        self.on_gone = on_gone
-        if on_gone is None:
-            return
-        if self.gone:
-            self.client_gone()
-        else:
-            self.watch()
+        self._until_gone(on_gone, self.watch)
 
     def interrupt(self, on_gone: Callable[[], None] | None) -> None:
         """While a replica has not answered yet: `on_gone` interrupts the wait if the client
         leaves (called at once if it already has). None: the wait is over."""
+        self._until_gone(on_gone, self.watch_soon)
+
+    def _until_gone(self, on_gone: Callable[[], None] | None,
+                    listen: Callable[[], None]) -> None:
         self.on_gone = on_gone
         if on_gone is None:
             return
         if self.gone:
             self.client_gone()
         else:
-            self.watch_soon()
+            listen()
 
     def watch_soon(self) -> None:
         """Like `watch`, for a wait that most often ends within moments (a replica's answer):

@@ -17,7 +17,7 @@ import pytest
 
 from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.config import ConfigError, parse_config
-from gateway.exchange import InferenceRequest
+from gateway.exchange import InferenceRequest, Reply
 from tests.conftest import eventually
 from tests.inprocess import Harness, gateway, two_pools
 
@@ -234,18 +234,46 @@ def freezable(busy: bool = False) -> tuple[Handler, Freeze]:
     return handle, frozen
 
 
+LONG_CHAT = {"model": "tiny", "stream": True,
+             "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
+
+
+async def through_core(gw: Harness, **extra: Any) -> Reply:
+    """A streaming chat request read through the request core (the in-process HTTP client
+    would wait for the stream's end)."""
+    payload = {**LONG_CHAT, **extra}
+    return await gw.app.core.handle(InferenceRequest(
+        "/v1/chat/completions", True, payload, orjson.dumps(payload), "tiny", True))
+
+
+async def silenced_under_a_stream(gw: Harness, frozen: Freeze
+                                  ) -> tuple[Reply, asyncio.Future[bytes], asyncio.Task[Reply]]:
+    """A stream decoding on the pool's one replica, which then falls silent (`frozen`): the
+    stream's next read waits there, and so does a second request for its first content."""
+    first = await through_core(gw)
+    assert b"t0" in await anext(first.body)
+    reader = asyncio.ensure_future(anext(first.body))
+    frozen.set()
+    second = asyncio.create_task(through_core(gw, max_tokens=3))
+    return first, reader, second
+
+
+async def both_answered_once_thawed(first: Reply, reader: asyncio.Future[bytes],
+                                    second: asyncio.Task[Reply], frozen: Freeze) -> None:
+    frozen.clear()  # the prefill is done, or SIGCONT: tokens flow again, to both
+    assert (await reader).startswith(b"data: ")
+    reply = await second
+    assert reply.status == 200 and b"[DONE]" in b"".join([c async for c in reply.body])
+    await first.body.aclose()
+
+
 async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere() -> None:
     h0, f0 = freezable()
     h1, f1 = freezable()
     frozen_flags = {"rt-0": f0, "rt-1": f1}
     cfg = config(ejection={"stall_s": 0.5})
     async with gateway(cfg, handlers={"rt-0": h0, "rt-1": h1}) as gw:
-        payload = {"model": "tiny", "stream": True,
-                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
-        # A long stream, read through the request core (the in-process HTTP client would wait
-        # for its end).
-        first = await gw.app.core.handle(InferenceRequest(
-            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
+        first = await through_core(gw)
         home = dict(first.headers)[b"x-gateway-replica"].decode()
         other = ({"rt-0", "rt-1"} - {home}).pop()
         assert b"t0" in await anext(first.body)  # it is streaming from its home
@@ -259,7 +287,7 @@ async def test_a_frozen_replica_is_ejected_and_its_waiting_requests_go_elsewhere
         # Same prompt, same home: this one waits there for content that never comes, until
         # the stall watch sees the home silent with a stream decoding and fails it over.
         second = await gw.openai().chat.completions.with_raw_response.create(
-            model="tiny", messages=payload["messages"], stream=True, max_tokens=3)
+            model="tiny", messages=LONG_CHAT["messages"], stream=True, max_tokens=3)
         assert second.headers["x-gateway-replica"] == other
         assert len([ch async for ch in second.parse()]) == 4
         replica = gw.app.state.pools[0].replicas[home]
@@ -281,16 +309,7 @@ async def test_a_busy_replica_is_not_taken_for_a_frozen_one() -> None:
     h0, f0 = freezable(busy=True)
     async with gateway(config(ejection={"stall_s": 0.2}, realtime=1),
                        handlers={"rt-0": h0}) as gw:
-        payload = {"model": "tiny", "stream": True,
-                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
-        first = await gw.app.core.handle(InferenceRequest(
-            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
-        assert b"t0" in await anext(first.body)
-        reader = asyncio.ensure_future(anext(first.body))  # waits on the silent replica
-        f0.set()
-        second = asyncio.create_task(gw.app.core.handle(InferenceRequest(
-            "/v1/chat/completions", True, {**payload, "max_tokens": 3},
-            orjson.dumps({**payload, "max_tokens": 3}), "tiny", True)))
+        first, reader, second = await silenced_under_a_stream(gw, f0)
         replica = gw.app.state.pools[0].replicas["rt-0"]
         # Silent for ten stall limits, asked over and over, answering every time.
         await eventually(lambda: replica.answered_at > 0 and replica.reads == 1)
@@ -298,13 +317,9 @@ async def test_a_busy_replica_is_not_taken_for_a_frozen_one() -> None:
         await eventually(lambda: replica.answered_at > asked_at + 10 * 0.2)
         assert replica.healthy and replica.ejections == 0
         assert not second.done() and not reader.done()
-        f0.clear()  # the prefill is done: tokens flow again, to both
-        assert (await reader).startswith(b"data: ")
-        reply = await second
-        assert reply.status == 200 and b"[DONE]" in b"".join([c async for c in reply.body])
+        await both_answered_once_thawed(first, reader, second, f0)
         samples = await gw.metrics()
         assert not any(s.name == "gateway_replica_ejections_total" and s.value for s in samples)
-        await first.body.aclose()
 
 
 async def test_a_lone_frozen_replica_is_kept_and_its_waiting_requests_wait_on() -> None:
@@ -314,16 +329,7 @@ async def test_a_lone_frozen_replica_is_kept_and_its_waiting_requests_wait_on() 
     h0, f0 = freezable()
     async with gateway(config(ejection={"stall_s": 0.2}, realtime=1),
                        handlers={"rt-0": h0}) as gw:
-        payload = {"model": "tiny", "stream": True,
-                   "messages": [{"role": "user", "content": "a shared prompt " * 50}]}
-        first = await gw.app.core.handle(InferenceRequest(
-            "/v1/chat/completions", True, dict(payload), orjson.dumps(payload), "tiny", True))
-        assert b"t0" in await anext(first.body)
-        reader = asyncio.ensure_future(anext(first.body))
-        f0.set()
-        second = asyncio.create_task(gw.app.core.handle(InferenceRequest(
-            "/v1/chat/completions", True, {**payload, "max_tokens": 3},
-            orjson.dumps({**payload, "max_tokens": 3}), "tiny", True)))
+        first, reader, second = await silenced_under_a_stream(gw, f0)
         replica = gw.app.state.pools[0].replicas["rt-0"]
         # Seen stalled (a health check went unanswered), twice, and kept.
         await eventually(lambda: replica.unanswered_at > 0)
@@ -331,11 +337,7 @@ async def test_a_lone_frozen_replica_is_kept_and_its_waiting_requests_wait_on() 
         await eventually(lambda: replica.unanswered_at > seen)
         assert replica.healthy and replica.ejections == 0 and replica.answered_at == 0
         assert not second.done()
-        f0.clear()  # SIGCONT
-        assert (await reader).startswith(b"data: ")
-        reply = await second
-        assert reply.status == 200 and b"[DONE]" in b"".join([c async for c in reply.body])
-        await first.body.aclose()
+        await both_answered_once_thawed(first, reader, second, f0)
 
 
 async def _slow_tokens() -> AsyncIterator[bytes]:
