@@ -8,7 +8,7 @@ start-up.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,3 +123,25 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
         await state.stop()
         for sim in harness_sims.values():
             sim.close()
+
+
+def replica_answering(answer: Callable[[], HandlerResponse]) -> Handler:
+    """A replica healthy to probes, with no metrics, that answers every other request with
+    `answer()` (a faulty or scripted replica beside simulated ones)."""
+
+    async def handle(method: str, target: str, headers: Mapping[str, str],
+                     body: bytes) -> HandlerResponse:
+        if target == "/health":
+            return HandlerResponse(200)
+        if target == "/metrics":
+            return HandlerResponse(404)
+        return answer()
+
+    return handle
+
+
+def sse_replica(stream: Callable[[], AsyncIterator[bytes]]) -> Handler:
+    """A replica healthy to probes, with no metrics, that answers every other request with
+    the event stream `stream()`."""
+    return replica_answering(
+        lambda: HandlerResponse(200, stream(), {"content-type": "text/event-stream"}))

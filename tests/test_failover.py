@@ -8,7 +8,7 @@ replica.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -19,7 +19,7 @@ from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.config import ConfigError, parse_config
 from gateway.exchange import InferenceRequest, Reply
 from tests.conftest import eventually
-from tests.inprocess import Harness, gateway, two_pools
+from tests.inprocess import Harness, gateway, replica_answering, sse_replica, two_pools
 
 
 def config(slow_probes: bool = True, *, timeouts: dict | None = None,
@@ -46,24 +46,6 @@ def event(content: str | None = None, role: bool = False) -> bytes:
     return b"data: " + orjson.dumps(ev) + b"\n\n"
 
 
-def replica(answer: Callable[[], HandlerResponse]) -> Handler:
-    """Healthy to probes, no metrics; every inference request gets `answer()`."""
-
-    async def handle(method: str, target: str, headers: Mapping[str, str],
-                     body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
-        return answer()
-
-    return handle
-
-
-def sse(chunks: Callable[[], AsyncIterator[bytes]]) -> Handler:
-    return replica(lambda: HandlerResponse(200, chunks(), {"content-type": "text/event-stream"}))
-
-
 async def _dies_after_role() -> AsyncIterator[bytes]:
     yield event(role=True)  # vLLM's first chat event: a role, no content yet
     raise ConnectionResetError("replica killed")
@@ -85,12 +67,12 @@ async def _never_content() -> AsyncIterator[bytes]:
 
 
 FAULTS: dict[str, Handler] = {
-    "killed_before_content": sse(_dies_after_role),
-    "error_event_before_content": sse(_error_event),
-    "ended_without_content": sse(_ends_early),
-    "garbage": replica(lambda: HandlerResponse(200, b"<html>upstream proxy error</html>",
+    "killed_before_content": sse_replica(_dies_after_role),
+    "error_event_before_content": sse_replica(_error_event),
+    "ended_without_content": sse_replica(_ends_early),
+    "garbage": replica_answering(lambda: HandlerResponse(200, b"<html>upstream proxy error</html>",
                                                {"content-type": "text/html"})),
-    "never_content": sse(_never_content),
+    "never_content": sse_replica(_never_content),
 }
 
 
@@ -141,7 +123,8 @@ async def _broken_after_content() -> AsyncIterator[bytes]:
 
 
 async def test_a_stream_broken_after_content_ends_with_an_error_and_ejects_the_replica() -> None:
-    async with gateway(config(realtime=1), handlers={"rt-0": sse(_broken_after_content)}) as gw:
+    async with gateway(config(realtime=1),
+                       handlers={"rt-0": sse_replica(_broken_after_content)}) as gw:
         r = await gw.http.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert r.status_code == 200
@@ -161,7 +144,7 @@ async def test_a_stream_broken_after_content_ends_with_an_error_and_ejects_the_r
 
 
 async def test_failures_in_a_row_eject_and_probes_bring_the_replica_back_later() -> None:
-    answer500 = replica(lambda: HandlerResponse(500, b'{"error": "boom"}'))
+    answer500 = replica_answering(lambda: HandlerResponse(500, b'{"error": "boom"}'))
     cfg = config(slow_probes=False, realtime=1,
                  ejection={"consecutive_failures": 3, "base_s": 0.5, "max_s": 5})
     async with gateway(cfg, handlers={"rt-0": answer500}) as gw:
@@ -351,7 +334,7 @@ async def _slow_tokens() -> AsyncIterator[bytes]:
 async def test_pool_timeouts_cut_a_silent_stream_with_an_error_event(
         limit: dict, caplog: pytest.LogCaptureFixture) -> None:
     cfg = config(realtime=1, timeouts=limit)
-    async with gateway(cfg, handlers={"rt-0": sse(_slow_tokens)}) as gw:
+    async with gateway(cfg, handlers={"rt-0": sse_replica(_slow_tokens)}) as gw:
         r = await gw.http.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True})
         events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]

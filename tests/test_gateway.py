@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 import openai
@@ -15,7 +15,7 @@ import pytest
 from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.stats import render_table
 from tests.conftest import eventually, tenant_prompt
-from tests.inprocess import Harness, gateway, sim_handler, two_pools
+from tests.inprocess import Harness, gateway, sim_handler, sse_replica, two_pools
 
 T = TypeVar("T")
 
@@ -341,20 +341,6 @@ def sse_event(text: str) -> bytes:
     event = {"id": "x", "object": "text_completion", "model": "tiny",
              "choices": [{"index": 0, "text": text, "finish_reason": None}]}
     return b"data: " + orjson.dumps(event) + b"\n\n"
-
-
-def sse_replica(stream: Callable[[], AsyncIterator[bytes]]) -> Handler:
-    """A replica that is healthy, has no metrics, and answers every request with `stream()`."""
-
-    async def handle(method: str, target: str, headers: Mapping[str, str],
-                     body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
-        return HandlerResponse(200, stream(), {"content-type": "text/event-stream"})
-
-    return handle
 
 
 def broken_stream(after: int) -> Handler:

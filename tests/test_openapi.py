@@ -5,7 +5,6 @@ text error page passed to the client) stay fixed."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 import pytest
 from fastapi.routing import APIRoute
@@ -16,7 +15,7 @@ from gateway.cli import main
 from gateway.config import parse_config
 from gateway.defaults import one_pool_config
 from gateway.openapi import v1_openapi
-from tests.inprocess import FAST_HEALTH, gateway, two_pools
+from tests.inprocess import FAST_HEALTH, gateway, replica_answering, two_pools
 
 
 def served_v1_routes(app: GatewayApp) -> set[tuple[str, str]]:
@@ -102,16 +101,8 @@ async def test_a_405_names_the_methods_of_its_path() -> None:
 
 def plain_error_replica(status: int, body: bytes, content_type: str) -> Handler:
     """A healthy replica that answers every inference request with `status` and `body`."""
-
-    async def handle(method: str, target: str, headers: Mapping[str, str],
-                     request_body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
-        return HandlerResponse(status, body, {"content-type": content_type})
-
-    return handle
+    return replica_answering(lambda: HandlerResponse(status, body,
+                                                     {"content-type": content_type}))
 
 
 @pytest.mark.parametrize(("status", "body", "ctype"), [
