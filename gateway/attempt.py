@@ -109,12 +109,7 @@ class Attempt:
             return
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
-        if self._task is not None:  # still held: nothing left to interrupt
-            self._task = None
-            self.replica.holding.discard(self)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.sent()  # if still held: nothing is left to interrupt
         pool.router.finished(self.decision, self.saw_first)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:
