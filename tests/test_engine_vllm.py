@@ -29,6 +29,11 @@ REQUEST_TIMEOUT_S = 300
 # A /health answer slowed by a starved API server must not take a replica out of the pool (and
 # move a tenant off its home, or leave no replica to serve): these tests are not about health.
 HEALTH = {"interval_s": 0.5, "timeout_s": 10, "failure_threshold": 5, "metrics_interval_s": 0.25}
+# Nor are they about the server's limits on slow clients: on such a machine the test process
+# itself can be starved between connecting and sending its request for longer than the default
+# 10 s header timeout, and the gateway then rightly closes the silent connection (a stats call
+# failed so, "Server disconnected without sending a response").
+SERVER = {"header_timeout_s": REQUEST_TIMEOUT_S, "body_timeout_s": REQUEST_TIMEOUT_S}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +112,7 @@ def test_prefix_affinity_raises_engine_prefix_cache_hits(vllm_replicas, tmp_path
         before = {u: engine_counters(u) for u in urls}
         port = processes.free_ports(1)[0]
         config = one_pool_config(urls, port, replica_prefix="vllm", routing={"policy": policy},
-                                 health={**HEALTH, "hit_ratio_window_s": 3600})
+                                 health={**HEALTH, "hit_ratio_window_s": 3600}, server=SERVER)
         gw = start_gateway(config, tmp_path, name=policy)
         try:
             served = run_workload(gw.url)
@@ -145,7 +150,7 @@ LEARN_DEADLINE_S = 900
 def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_path) -> None:
     url = vllm_replicas[0].url
     config = one_pool_config([url], processes.free_ports(1)[0], replica_prefix="vllm",
-                             health=HEALTH)
+                             health=HEALTH, server=SERVER)
     gw = start_gateway(config, tmp_path, name="steps")
     before = engine_prefill_rate_counters(url)
     try:
