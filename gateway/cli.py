@@ -125,8 +125,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _ignored_sighup(_signum: int, _frame: object) -> None:
-    log.warning("SIGHUP received and ignored: the gateway is not serving (starting or "
-                "stopping), so there is no configuration to reload")
+    log.warning("SIGHUP received and ignored: no configuration file to reload now (prefix-gateway "
+                "up has none; serve reloads its file only while it serves)")
 
 
 def ignore_sighup() -> None:

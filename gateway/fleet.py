@@ -88,7 +88,7 @@ class Fleet:
 
     def add(self, pool_name: str, body: Any) -> ReplicaState:
         """A replica from the admin API: validated as in the file, its name new to every pool,
-        its URL to every replica not leaving."""
+        its URL to every replica not being removed."""
         pool = self.pool(pool_name)
         try:
             rc = ReplicaConfig.model_validate(body)
@@ -101,7 +101,8 @@ class Fleet:
                 raise conflict(f"A replica named {rc.name!r} exists already (pool {p.name!r}).",
                                "duplicate_replica")
             for r in p.replicas.values():
-                if not r.draining and r.base_url.lower() == rc.base_url.lower():
+                if (r.base_url.lower() == rc.base_url.lower()
+                        and not self.removing(p, r.name)):
                     raise conflict(f"Replica {p.name}/{r.name} has this url already; each "
                                    "engine replica is listed once.", "duplicate_url")
         r = self._join(pool, replica_spec(rc))

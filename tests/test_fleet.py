@@ -364,3 +364,36 @@ async def test_admin_api_adds_drains_and_removes_replicas(tmp_path) -> None:
 
 async def _absent(gw: Harness, name: str) -> bool:
     return name not in await listed(gw)
+
+
+async def test_a_reload_moves_a_replica_to_a_new_url_and_changes_its_models(tmp_path) -> None:
+    new = new_sim("rt-1-new")
+    try:
+        async with gateway(two_pools(realtime=2)) as gw:
+            pool = gw.app.state.pool_by_name["realtime"]
+            moved = "http://rt-1-new.test:8000"
+            gw.upstream.mount(moved, sim_handler(new))
+            for i in range(8):  # some prompts cached on rt-1, as routing knows
+                assert (await complete(gw, f"before {i} " * 40)).status_code == 200
+            assert len(pool.router.indexes["rt-1"])
+            cfg = two_pools(realtime=2)
+            cfg["pools"][0]["replicas"][1]["url"] = moved
+            cfg["pools"][0]["replicas"][0]["models"] = ["tiny", "tiny-extra"]
+            assert reloader(gw, write(tmp_path / "gw.yaml", cfg)).reload("t")
+            assert len(pool.router.indexes["rt-1"]) == 0  # the new engine holds nothing yet
+            rep = (await listed(gw))["rt-1"]
+            assert rep["url"] == moved and not rep["draining"]
+            models = (await gw.http.get("/v1/models")).json()["data"]
+            assert "tiny-extra" in {m["id"] for m in models}
+            assert (await listed(gw))["rt-0"]["models"] == ["tiny", "tiny-extra"]
+            since = len(gw.upstream.requests)
+
+            async def new_url_serves() -> bool:
+                r = await complete(gw, f"after {len(gw.upstream.requests)} " * 40)
+                assert r.status_code == 200
+                return posts_to(gw, moved, since) > 0
+
+            await eventually(new_url_serves)
+            assert posts_to(gw, gw.urls["rt-1"], since) == 0
+    finally:
+        new.close()
