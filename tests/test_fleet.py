@@ -146,7 +146,11 @@ async def test_a_removed_replica_drains_under_load(tmp_path) -> None:
     gate = asyncio.Event()
     sim = new_sim("rt-1")
     try:
-        async with gateway(two_pools(realtime=2), handlers={"rt-1": gated(sim, gate)}) as gw:
+        # The held streams are silent on purpose: no stall watch, which would move them away
+        # if a health check timed out on a loaded machine.
+        config = two_pools(realtime=2)
+        config["pools"][0]["ejection"] = {"stall_s": 0}
+        async with gateway(config, handlers={"rt-1": gated(sim, gate)}) as gw:
             pool = gw.app.state.pool_by_name["realtime"]
             held: list[asyncio.Task] = []
             i = 0
