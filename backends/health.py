@@ -82,12 +82,14 @@ class HealthMonitor:
     async def _probe_loop(self, pool: Pool) -> None:
         while True:
             await asyncio.sleep(pool.health.interval_s)
-            await asyncio.gather(*(self.probe(pool, r) for r in pool.replicas.values()))
+            await asyncio.gather(*(self.probe(pool, r) for r in list(pool.replicas.values())
+                                   if not r.draining))
 
     async def _scrape_loop(self, pool: Pool) -> None:
         while True:
             await asyncio.sleep(pool.health.metrics_interval_s)
-            await asyncio.gather(*(self.scrape(pool, r) for r in pool.replicas.values()))
+            await asyncio.gather(*(self.scrape(pool, r) for r in list(pool.replicas.values())
+                                   if not r.draining))
             # The gateway's own step timing needs no engine metrics, so it is reported even
             # for replicas whose /metrics cannot be read.
             self.listener.step_timing(pool)
@@ -188,6 +190,8 @@ class HealthMonitor:
     async def probe(self, pool: Pool, r: ReplicaState) -> None:
         outcome, why = await pool.adapter.check(self.upstream, r.base_url,
                                                 pool.health.timeout_s)
+        if r.draining or pool.replicas.get(r.name) is not r:
+            return  # left the pool (or was replaced) while the check was out
         if outcome is Probe.OK and r.ejected_until > time.monotonic():
             return  # still ejected: live traffic saw it fail more recently than this probe
         if outcome is Probe.OK:
@@ -208,6 +212,14 @@ class HealthMonitor:
         self._log_change(pool, r, f"{r.last_error}: {why}" if why else r.last_error)
         self.listener.replica_up(pool.name, r.name, r.healthy)
 
+    def forget(self, pool: Pool, name: str) -> None:
+        """`name` left `pool` (or was replaced): its next health state is logged afresh."""
+        self._reported.pop((pool.name, name), None)
+
+    async def check_now(self, pool: Pool, r: ReplicaState) -> None:
+        """Probe and scrape a replica that just joined, without waiting for the next round."""
+        await asyncio.gather(self.probe(pool, r), self.scrape(pool, r))
+
     def _log_change(self, pool: Pool, r: ReplicaState, why: str) -> None:
         """Log the replica's health when it differs from what was last logged (its first
         probe included: a replica unreachable from the start is logged too), with the reason."""
@@ -222,7 +234,7 @@ class HealthMonitor:
 
     async def scrape(self, pool: Pool, r: ReplicaState) -> None:
         snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
-        if snap is None:
+        if snap is None or r.draining or pool.replicas.get(r.name) is not r:
             return
         had_capacity = r.snapshot is not None and r.snapshot.capacity_tokens
         r.observe_snapshot(snap, pool.health.hit_ratio_window_s, time.monotonic())

@@ -91,6 +91,9 @@ class ReplicaState:
         self.auth = f"Bearer {api_key}" if api_key else None
         # Unknown until the first probe; the gateway probes every replica before serving.
         self.healthy = False
+        self.draining = False
+        """Leaving the pool: no new requests (it is neither healthy nor suspect, and probes
+        leave it so), while those in flight finish."""
         self.suspect = False
         """Out of rotation only because health checks timed out (not refused, not 503)."""
         self.failures = 0
@@ -165,14 +168,69 @@ class Pool:
         """Prompts are hashed as the engine's own tokens (else as character blocks)."""
         self.replicas: dict[str, ReplicaState] = {}
         for r in spec.replicas:
-            models = set(r.models) if r.models else set(self.models)
-            self.models |= models
-            self.replicas[r.name] = ReplicaState(spec.name, r.name, r.base_url, models,
-                                                 r.api_key or spec.api_key)
-            router.add_replica(r.name)
+            self.add_replica(r)
         self._cpt_samples = 0
         self._cpt_estimate = router.chars_per_token
         self._tokenize_cursor = itertools.count()
+
+    # Membership: replicas join and leave while the gateway runs (gateway/fleet.py) ----------
+
+    def add_replica(self, r: ReplicaSpec) -> ReplicaState:
+        """A replica joins (or replaces the one of its name): out of rotation until a health
+        check passes."""
+        models = set(r.models) if r.models else set(self.spec.models)
+        state = ReplicaState(self.name, r.name, r.base_url, models,
+                             r.api_key or self.spec.api_key)
+        old = self.replicas.get(r.name)
+        if old is not None:
+            # Requests in flight there keep their state object and finish on the old URL; the
+            # new engine's cache holds none of what the old one did.
+            old.draining, old.healthy, old.suspect = True, False, False
+            self.router.remove_replica(r.name)
+        self.replicas[r.name] = state
+        self.router.add_replica(r.name)
+        self._refresh_models()
+        return state
+
+    def update_replica(self, r: ReplicaSpec) -> None:
+        """Same engine, other models or key: changed in place."""
+        state = self.replicas[r.name]
+        state.models = set(r.models) if r.models else set(self.spec.models)
+        key = r.api_key or self.spec.api_key
+        state.auth = f"Bearer {key}" if key else None
+        self._refresh_models()
+
+    def drain(self, name: str) -> ReplicaState:
+        """Take `name` out of rotation for good: no new request goes there (routing and
+        fallbacks only use healthy or suspect replicas), and no prefix leads there."""
+        state = self.replicas[name]
+        state.draining, state.healthy, state.suspect = True, False, False
+        self.router.remove_replica(name)
+        return state
+
+    def undrain(self, name: str) -> ReplicaState:
+        """Back in the pool; in rotation once a health check passes."""
+        state = self.replicas[name]
+        state.draining = False
+        state.failures = 0
+        self.router.add_replica(name)
+        return state
+
+    def idle(self, name: str) -> bool:
+        """Nothing in flight on `name` any more."""
+        state = self.replicas.get(name)
+        return not self.router.load.inflight.get(name, 0) and not (state and state.holding)
+
+    def drop(self, name: str) -> None:
+        """Remove a drained replica (nothing in flight) from the pool."""
+        self.replicas.pop(name, None)
+        self.router.remove_replica(name)
+        self.router.forget_load(name)
+        self._refresh_models()
+
+    def _refresh_models(self) -> None:
+        self.models = set(self.spec.models).union(
+            *(r.models for r in self.replicas.values() if not r.draining))
 
     @property
     def load(self) -> LoadTracker:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import signal
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.core import RequestCore, error_reply
 from gateway.edge import InferenceEndpoint, send_reply
 from gateway.errors import GatewayError
+from gateway.fleet import Fleet
+from gateway.reload import Reloader
 from gateway.state import GatewayState
 
 _STATIC = Path(__file__).parent / "static"
@@ -33,15 +39,22 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
                                    "code": code}}, status_code=status, headers=headers)
 
 
-def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastAPI:
-    """Health, readiness, models, metrics and stats, and the Batch API: where FastAPI's
-    conveniences pay."""
+def build_admin(state: GatewayState, batch: BatchService | None = None,
+                fleet: Fleet | None = None, reloader: Reloader | None = None) -> FastAPI:
+    """Health, readiness, models, metrics and stats, the replicas, and the Batch API: where
+    FastAPI's conveniences pay."""
+    fleet = fleet or Fleet(state)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
         if batch is not None:
             await batch.start()
+        watch = None
+        if reloader is not None:
+            watch = asyncio.create_task(reloader.run())
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.request)
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk
         # it on the hot path (about 6% of the gateway's CPU under load, docs/benchmarks.md).
@@ -49,6 +62,12 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
         try:
             yield
         finally:
+            if watch is not None:
+                with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+            await fleet.stop()
             if batch is not None:
                 await batch.stop()
             await state.stop()
@@ -123,6 +142,50 @@ def build_admin(state: GatewayState, batch: BatchService | None = None) -> FastA
         traffic class and pool under admission control: queues, slots, refusals, borrowing."""
         return state.stats.snapshot(state.pools, state.admission)
 
+    # Replicas joining and leaving (gateway/fleet.py); a reload from the file overrides these.
+    def _failed(err: GatewayError) -> JSONResponse:
+        return _error(err.status, err.message, code=err.code)
+
+    @app.get("/admin/replicas")
+    async def replicas() -> dict[str, Any]:
+        """Every pool's replicas: health, draining, requests in flight."""
+        return fleet.listing()
+
+    @app.post("/admin/pools/{pool}/replicas")
+    async def add_replica(pool: str, request: Request) -> JSONResponse:
+        """Add a replica ({name, url, models?, api_key?}); in rotation once healthy."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "The body must be a JSON object {name, url, models?, api_key?}.",
+                          code="invalid_replica")
+        try:
+            p = fleet.pool(pool)
+            r = fleet.add(pool, body)
+        except GatewayError as err:
+            return _failed(err)
+        return JSONResponse(fleet.describe(p, r), status_code=201)
+
+    @app.post("/admin/pools/{pool}/replicas/{name}/drain")
+    async def drain_replica(pool: str, name: str) -> JSONResponse:
+        """No new requests for the replica; those in flight finish. It stays listed."""
+        try:
+            p = fleet.pool(pool)
+            r = fleet.drain(pool, name)
+        except GatewayError as err:
+            return _failed(err)
+        return JSONResponse(fleet.describe(p, r))
+
+    @app.delete("/admin/pools/{pool}/replicas/{name}")
+    async def remove_replica(pool: str, name: str) -> JSONResponse:
+        """Drain the replica, then drop it once its requests in flight have ended."""
+        try:
+            p = fleet.pool(pool)
+            r = fleet.drain(pool, name, remove=True)
+        except GatewayError as err:
+            return _failed(err)
+        return JSONResponse(fleet.describe(p, r), status_code=202)
+
     @app.get("/admin", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse((_STATIC / "stats.html").read_text())
@@ -148,12 +211,16 @@ class GatewayApp:
     more than everything the gateway itself does per request, so the two hot paths bypass it.
     """
 
-    def __init__(self, config: GatewayConfig, state: GatewayState | None = None) -> None:
+    def __init__(self, config: GatewayConfig, state: GatewayState | None = None,
+                 reloader: Callable[[Fleet], Reloader] | None = None) -> None:
         self.state = state or GatewayState(config)
         self.core = RequestCore(self.state)
         # The Batch API runs only with Redis; without it its routes say how to turn it on.
         self.batch = BatchService(self.core) if config.redis is not None else None
-        self.admin = build_admin(self.state, self.batch)
+        self.fleet = Fleet(self.state)
+        """Replicas joining and leaving while it runs (the admin API, reloads)."""
+        self.reloader = reloader(self.fleet) if reloader is not None else None
+        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader)
         auth = self.state.auth
         self.guarded = auth.client_required or auth.admin_required or auth.metrics_required
         """Some route needs a key: an open gateway classifies no path per request."""
@@ -218,5 +285,7 @@ def _surface(path: str) -> str | None:
 _INFERENCE = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
-def create_app(config: GatewayConfig) -> GatewayApp:
-    return GatewayApp(config)
+def create_app(config: GatewayConfig,
+               reloader: Callable[[Fleet], Reloader] | None = None) -> GatewayApp:
+    """`reloader`: builds the reloader of the configuration file (serve), given the fleet."""
+    return GatewayApp(config, reloader=reloader)

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig, RedisConfig, load_config
@@ -56,8 +57,13 @@ def redis_banner(config: GatewayConfig) -> str:
 
 
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
-                log_level: str = "info", banner: str | None = None) -> None:
+                log_level: str = "info", banner: str | None = None,
+                config_path: str | None = None,
+                prepare: Callable[[GatewayConfig], GatewayConfig] | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully).
+
+    With `config_path`, the file is reloaded on SIGHUP and when it changes (gateway/reload.py),
+    each time through `prepare` (the command line's overrides).
 
     The socket is bound first, so a port in use fails here (OSError) before anything claims
     to serve; `banner` ("serving on ...") is printed once the server has started on it.
@@ -77,7 +83,14 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
         keepalive_timeout_s=server.keepalive_timeout_s,
         max_connections=descriptor_cap(server.max_connections))
-    app = create_app(config)
+    reloader = None
+    if config_path is not None:
+        from gateway.reload import Reloader
+
+        def reloader(fleet):
+            return Reloader(config_path, fleet, fleet.state.metrics, prepare)
+
+    app = create_app(config, reloader)
     server_cfg = uvicorn.Config(
         app,
         # Measured faster than asyncio + h11 (docs/benchmarks.md); httptools, bounded.
@@ -112,12 +125,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _ignored_sighup(_signum: int, _frame: object) -> None:
-    log.warning("SIGHUP received and ignored: the gateway does not reload its configuration; "
-                "restart it to apply a changed file")
+    log.warning("SIGHUP received and ignored: no configuration file to reload now (prefix-gateway "
+                "up has none; serve reloads its file only while it serves)")
 
 
 def ignore_sighup() -> None:
-    """SIGHUP (a closed terminal, or a reload request) must never kill the gateway."""
+    """SIGHUP (a closed terminal, or a reload request) must never kill the gateway: while it
+    serves, it reloads the configuration file (gateway/app.py); before and after, it is
+    ignored."""
     signal.signal(signal.SIGHUP, _ignored_sighup)
 
 
@@ -185,16 +200,31 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_overrides(args: argparse.Namespace) -> Callable[[GatewayConfig], GatewayConfig]:
+    """What the command line changes in the file's configuration: applied at start and to
+    each reload, so that a reload sees no change the file did not make."""
+    url = redis_url(args)
+
+    def prepare(config: GatewayConfig) -> GatewayConfig:
+        config = with_redis(config, url)
+        if args.host:
+            config.server.host = args.host
+        if args.allow_unauthenticated:
+            config.auth.allow_unauthenticated = True
+        if args.port is not None:
+            config.server.port = args.port
+        return config
+
+    return prepare
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    prepare = serve_overrides(args)
     try:
-        config = with_redis(load_config(args.config), redis_url(args))
+        config = prepare(load_config(args.config))
     except ConfigError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 2
-    if args.host:
-        config.server.host = args.host
-    if args.allow_unauthenticated:
-        config.auth.allow_unauthenticated = True
     problem = config.exposure_problem()
     if problem:
         print(f"prefix-gateway: refusing to serve: {problem}", file=sys.stderr)
@@ -206,14 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"Batch API on (Redis {shown_url(config.redis.url)})" if config.redis
             else "Batch API off (no Redis)"))
         return 0
-    if args.port is not None:
-        config.server.port = args.port
     print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
     try:
         run_gateway(config, access_log=args.access_log, log_level=args.log_level,
                     banner=f"prefix-gateway: serving on http://{config.server.host}:"
-                           f"{config.server.port}")
+                           f"{config.server.port}",
+                    config_path=args.config, prepare=prepare)
     except OSError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 1

@@ -199,7 +199,9 @@ class RequestCore:
             for i, name in enumerate(candidates):
                 if tried == self.max_attempts:
                     break
-                replica = pool.replicas[name]
+                replica = pool.replicas.get(name)
+                if replica is None:
+                    continue  # left the pool since the decision
                 if tried:
                     # Skip fallbacks that failed or filled up meanwhile; they do not use up an
                     # attempt.

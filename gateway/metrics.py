@@ -143,7 +143,20 @@ class GatewayMetrics:
             "timeouts in a row), stalled (no byte for stall_s while streams that had content "
             "wait).",
             ("pool", "replica", "reason"))
+        # Configuration reloads (SIGHUP, the file changing).
+        self.config_reloads = CounterFamily(
+            "gateway_config_reloads", "Reloads of the configuration file, by result: ok "
+            "(applied) or rejected (invalid: the configuration in force is kept).", ("result",))
         self.registry.register(FamilyCollector(self.families()))
+
+    def forget_replica(self, pool: str, replica: str) -> None:
+        """Drop every series of a replica that left its pool."""
+        for family in self.families():
+            if family.labels[:2] != ("pool", "replica"):
+                continue
+            series = family.rows if isinstance(family, HistogramFamily) else family.values  # type: ignore[attr-defined]
+            for key in [k for k in series if k[0] == pool and k[1] == replica]:
+                del series[key]
 
     def families(self) -> list[Family]:
         return [m for m in vars(self).values() if isinstance(m, Family)]

@@ -58,6 +58,7 @@ class StatsRecorder:
                 s = self.replica(r.name)
                 looked = s.hit_blocks + s.miss_blocks
                 snap = r.snapshot
+                index = pool.router.indexes.get(r.name)
                 reps.append({
                     "name": r.name,
                     "url": shown_url(r.base_url),
@@ -73,8 +74,9 @@ class StatsRecorder:
                                          if r.engine_hit_ratio is not None else None),
                     "engine_waiting": snap.waiting if snap else None,
                     "engine_kv_usage": snap.kv_usage if snap else None,
-                    "index_blocks": len(pool.router.indexes[r.name]),
-                    "index_capacity_blocks": pool.router.indexes[r.name].capacity_blocks,
+                    "draining": r.draining,
+                    "index_blocks": len(index) if index is not None else 0,
+                    "index_capacity_blocks": index.capacity_blocks if index is not None else 0,
                     "ttft_p50_s": _quantile(s.ttfts, 0.5),
                     "ttft_p95_s": _quantile(s.ttfts, 0.95),
                 })

@@ -46,6 +46,12 @@ class LoadTracker:
         if not saw_first_token:
             self.first_token(replica, uncached_tokens)
 
+    def forget(self, replica: str) -> None:
+        """The replica left: its counters and step timing go."""
+        self.inflight.pop(replica, None)
+        self.pending_prefill.pop(replica, None)
+        self.steps.forget(replica)
+
     def view(self, replica: str, now: float | None = None) -> ReplicaView:
         wait = 0.0
         if now is not None and self.inflight.get(replica):

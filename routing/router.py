@@ -54,6 +54,17 @@ class Router:
         if name not in self.indexes:
             self.indexes[name] = PrefixIndex(capacity_blocks or self.default_capacity)
 
+    def remove_replica(self, name: str) -> None:
+        """Forget what `name` holds: no prefix of the index leads there any more, and the
+        policy drops its state of it. The load it still carries (requests in flight) stays
+        counted until `forget_load`."""
+        self.indexes.pop(name, None)
+        self.policy.on_removed(name)
+
+    def forget_load(self, name: str) -> None:
+        """Drop the load counters of a replica that left for good (nothing in flight)."""
+        self.load.forget(name)
+
     def resize_index(self, name: str, capacity_blocks: int) -> None:
         if name in self.indexes:
             self.indexes[name].resize(capacity_blocks)

@@ -171,6 +171,10 @@ class StepTimer:
             r.last_end = r.prev_end = r.prev_start = None
             r.prev_decode_only = False
 
+    def forget(self, replica: str) -> None:
+        """The replica left the pool: its step timing goes."""
+        self._replicas.pop(replica, None)
+
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
         r = self._replicas.get(replica)

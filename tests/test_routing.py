@@ -319,3 +319,28 @@ def test_equal_replicas_prefer_the_one_whose_step_ends_soonest() -> None:
     chosen = {router.route(router.request_from_text(chat_text(system_prompt(5), f"user {u}")),
                            plain).replica for u in range(8)}
     assert len(chosen) > 1
+
+
+def test_a_removed_replica_keeps_no_prefix_and_its_load_goes_when_forgotten() -> None:
+    router = make_router()
+    req = router.request_from_text(chat_text(system_prompt(7), "q"))
+    home = router.route(req, idle())
+    assert router.matched_blocks(home.replica, req.hashes) > 0
+    router.dispatched(home)
+    assert home.replica in router.policy._recent
+    router.remove_replica(home.replica)
+    assert router.matched_blocks(home.replica, req.hashes) == 0
+    assert home.replica not in router.policy._recent  # the policy forgot it too
+    router.record(home.replica, req.hashes)  # a late record of it is a no-op
+    assert home.replica not in router.indexes
+    # Its request in flight is still counted until it ends, then the counters go.
+    assert router.load.inflight[home.replica] == 1
+    router.finished(home, saw_first_token=False)
+    router.forget_load(home.replica)
+    assert home.replica not in router.load.inflight
+    assert home.replica not in router.load.pending_prefill
+    # The same prompt now goes to a replica that is left, and is a cold miss there.
+    others = [n for n in REPLICAS if n != home.replica]
+    again = router.route(router.request_from_text(chat_text(system_prompt(7), "q2")),
+                         idle(others))
+    assert again.replica in others and again.reason == REASON_COLD

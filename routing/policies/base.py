@@ -58,6 +58,9 @@ class Policy(ABC):
     ) -> None:
         """The router's load count of `replica` changed (dispatch, first token or finish)."""
 
+    def on_removed(self, replica: str) -> None:  # noqa: B027
+        """`replica` left the pool (it drains, or was replaced): forget what is kept of it."""
+
 
 def load_bound(replicas: Sequence[ReplicaView], factor: float) -> int:
     """Consistent hashing with bounded loads (Mirrokni et al. 2018).

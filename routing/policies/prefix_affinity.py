@@ -161,6 +161,9 @@ class PrefixAffinity(Policy):
             fallbacks=[row[5] for row in others],
         )
 
+    def on_removed(self, replica: str) -> None:
+        self._recent.pop(replica, None)
+
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         # Here rather than in choose(), so that a retry's prefill counts on the replica that
         # really got it; the decision clock only moves in choose(), once per request.
