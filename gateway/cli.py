@@ -42,7 +42,7 @@ def with_redis(config: GatewayConfig, url: str | None) -> GatewayConfig:
 
 
 def shown_url(url: str) -> str:
-    from gateway.batch.redis_link import shown_url as without_password  # redis-py: lazily
+    from gateway.redis_link import shown_url as without_password  # redis-py: lazily
 
     return without_password(url)
 

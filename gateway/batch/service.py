@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from gateway.batch.files import FileStore
-from gateway.batch.redis_link import RedisLink
 from gateway.batch.runner import BatchRunner
 from gateway.batch.store import BatchStore
 from gateway.core import RequestCore
+from gateway.redis_link import RedisLink
 
 
 class BatchService:
