@@ -19,7 +19,8 @@ class BatchService:
         config = state.config
         assert config.redis is not None
         self.config = config.batch
-        self.link = RedisLink(config.redis, on_change=state.observer.redis_up)
+        self.link = RedisLink(config.redis, on_change=state.observer.redis_up,
+                              client=state.redis)
         self.files = FileStore(self.link)
         self.store = BatchStore(self.link)
         cls = config.batch_class
