@@ -2,24 +2,24 @@
 
 Each gateway routes on its own router as before: the index is updated at decision time, in
 the request's own step, and nothing on a request's path waits for Redis. What is shared
-travels beside it, in two background tasks:
+travels beside it, in one background task that, every `flush_interval_s`, sends one
+pipelined round trip:
 
-- the writer, every `flush_interval_s`, writes the prefix inserts decided since the last
-  flush as one entry per pool on that pool's stream (`{prefix}routing:{pool}:inserts`, trimmed
-  to about `stream_max_entries` entries), and every `load_interval_s` its own load per
-  replica into the pool's hash (`{prefix}routing:{pool}:load`, one field per gateway, stamped
-  with the writer's time) while reading the other gateways' fields back, all in one
-  pipelined round trip. Inserts wait in a bounded queue, the oldest dropped (and counted)
-  when Redis is slow or away;
-- the reader follows the streams with XREAD, from the last entry it read, and applies the
-  other gateways' inserts to its routers (`Router.apply_remote_inserts`).
+- the prefix inserts decided since the last tick, as one entry per pool on that pool's
+  stream (`{prefix}routing:{pool}:inserts`, trimmed to about `stream_max_entries`);
+- an XREAD of the streams from the last entry read: the other gateways' inserts, applied to
+  this gateway's routers (`Router.apply_remote_inserts`);
+- every `load_interval_s`, this gateway's own load per replica into the pool's hash
+  (`{prefix}routing:{pool}:load`, one field per gateway, stamped with the writer's time) and
+  a read of the other gateways' fields (`Router.apply_remote_load`).
 
-Each insert carries the time its gateway decided it; the reader observes the time from there
-to its being applied (`gateway_shared_state_lag_seconds`). When Redis goes away, both tasks
-log it once (and once when it returns), the gateway routes on its own state (the other
-gateways' load is dropped) and they retry with a growing backoff. On return, a gateway that
-may have missed entries (its stream was trimmed past the last one it read, or Redis lost it)
-asks the others to publish their recent inserts again.
+Inserts wait in a bounded queue, the oldest dropped (and counted) when Redis is slow or away.
+Each carries the time its gateway decided it; the reader observes the time from there to its
+being applied (`gateway_shared_state_lag_seconds`). When Redis goes away, the task logs it
+once (and once when it returns), the gateway routes on its own state (the other gateways'
+load is dropped) and it retries with a growing backoff. On return, a gateway that may have
+missed entries (its stream was trimmed past the last one it read, or Redis lost it) asks the
+others to publish their recent inserts again.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from gateway.redis_link import UNAVAILABLE, Messages, RedisLink
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.connection import Connection
 
 log = logging.getLogger("prefix_gateway.shared")
 
@@ -54,8 +55,6 @@ MESSAGES = Messages(
     first="shared routing state: Redis at {url} reachable: routing state is shared with the "
     "gateways using it")
 
-_BLOCK_MS = 250
-"""How long an XREAD waits for new entries (it returns at once when there are some)."""
 _READ_COUNT = 256
 _BACKOFF_S = (0.05, 2.0)
 _RESYNC_EVERY_S = 1.0
@@ -67,6 +66,14 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
 end
 return 0
 """
+
+
+def _pairs(reply: Any) -> dict[bytes, Any]:
+    """A map reply: a dict in RESP3, a flat list of keys and values in RESP2."""
+    if isinstance(reply, dict):
+        return reply
+    it = iter(reply or ())
+    return dict(zip(it, it, strict=False))
 
 
 def _id(entry_id: bytes | str) -> tuple[int, int]:
@@ -81,9 +88,6 @@ class SharedRouting:
     def __init__(self, cfg: RedisConfig, pools: Sequence[Pool], observer: Observer,
                  client: Redis | None = None) -> None:
         self.settings = s = cfg.shared_routing
-        self.block_ms = max(1, min(_BLOCK_MS, int(cfg.timeout_s * 500)))
-        """XREAD's wait: within the command timeout, or a quiet stream would look like an
-        outage."""
         self.id = uuid.uuid4().hex[:16]
         """This gateway's id in Redis: its own entries are skipped, its load is its field."""
         self.observer = observer
@@ -106,6 +110,7 @@ class SharedRouting:
         self._load_sent = 0.0
         self._check_gap = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._conn: Connection | None = None
         self._failures: set[str] = set()
         self._forget_stale = self.link.client.register_script(_FORGET_STALE)
         for pool in pools:
@@ -130,8 +135,7 @@ class SharedRouting:
 
     def start(self) -> None:
         self.observer.shared_up(False)  # the series exists from the start
-        self._tasks = [asyncio.create_task(self._write_loop(), name="shared-routing-writer"),
-                       asyncio.create_task(self._read_loop(), name="shared-routing-reader")]
+        self._tasks = [asyncio.create_task(self._loop(), name="shared-routing")]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -142,6 +146,8 @@ class SharedRouting:
         if self.link.up:  # peers stop counting this gateway's load at once (best effort)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._forget_own_load(), 1.0)
+        if self._conn is not None:
+            await self._conn.disconnect()
         await self.link.aclose()
 
     async def _forget_own_load(self) -> None:
@@ -166,89 +172,75 @@ class SharedRouting:
             self._failures.add(what)
             log.error("shared routing state: %s (retrying)", what, exc_info=exc)
 
-    async def _write_loop(self) -> None:
+    async def _loop(self) -> None:
         s = self.settings
         delay = _BACKOFF_S[0]
         next_load = 0.0
+        behind = False
         while True:
-            await asyncio.sleep(s.flush_interval_s if self.link.up is not False else delay)
+            if not behind:
+                await asyncio.sleep(s.flush_interval_s if self.link.up is not False else delay)
             now = time.monotonic()
             load_due = now >= next_load
             try:
-                await self.flush(load_due)
+                if self._check_gap:  # before reading on: the gap is measured from the last id
+                    await self._ask_if_missed()
+                behind = await self.tick(load_due)
             except UNAVAILABLE as exc:
                 self.link.mark_down(exc)
                 delay = min(delay * 2, _BACKOFF_S[1])
+                behind = False
                 continue
-            except Exception as exc:
+            except Exception as exc:  # a bug must not end the sharing
                 self._failed(exc)
                 delay = min(delay * 2, _BACKOFF_S[1])
+                behind = False
                 continue
             delay = _BACKOFF_S[0]
             if load_due:
                 next_load = now + s.load_interval_s
 
-    async def _read_loop(self) -> None:
-        delay = _BACKOFF_S[0]
-        while True:
-            try:
-                if self._check_gap:  # before reading on: the gap is measured from the last id
-                    await self._ask_if_missed()
-                got = await self.link.client.xread(self.last_ids, count=_READ_COUNT,
-                                                   block=self.block_ms)
-            except UNAVAILABLE as exc:
-                self.link.mark_down(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_S[1])
-                continue
-            except Exception as exc:
-                self._failed(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_S[1])
-                continue
-            delay = _BACKOFF_S[0]
-            self.link.mark_up()
-            for stream, entries in got or ():
-                self._apply(stream, entries)
-
     # Writing ------------------------------------------------------------------------------
 
-    async def flush(self, with_load: bool) -> None:
-        """Write the queued inserts (and, with `with_load`, this gateway's load, reading the
-        others'): one pipelined round trip. On an outage the inserts go back to the queue."""
+    async def tick(self, with_load: bool) -> bool:
+        """Write the queued inserts and read the other gateways' new ones (and, with
+        `with_load`, write this gateway's load and read the others'): one pipelined round
+        trip. On an outage the inserts go back to the queue. True: a stream had more entries
+        than one read takes (read on at once)."""
         s = self.settings
         batch = list(self.queue)
         self.queue.clear()
         republish = self._due_republish()
-        pipe = self.link.client.pipeline(transaction=False)
+        trim = ("MAXLEN", "~", s.stream_max_entries)
+        commands: list[tuple[Any, ...]] = []
         pools = self._by_pool(batch)
         for pool, items in pools.items():
-            pipe.xadd(self.streams[pool], {"g": self.id, "d": orjson.dumps(items)},
-                      maxlen=s.stream_max_entries, approximate=True)
+            commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
+                             "d", orjson.dumps(items)))
         if republish:
             for pool, items in self._by_pool(list(self.recent)).items():
-                pipe.xadd(self.streams[pool], {"g": self.id, "d": orjson.dumps(items), "r": "1"},
-                          maxlen=s.stream_max_entries, approximate=True)
+                commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
+                                 "d", orjson.dumps(items), "r", "1"))
         loads: list[tuple[str, int]] = []
-        """(pool, index of its HGETALL in the pipeline's replies)"""
+        """(pool, index of its HGETALL in the replies)"""
         if with_load:
             now = time.time()
             heartbeat = now - self._load_sent >= s.load_ttl_s / 3
             for pool in self.pools.values():
                 own = self._load_of(pool)
+                key = self.load_keys[pool.name]
                 if heartbeat or own != self._own_load.get(pool.name):
-                    key = self.load_keys[pool.name]
-                    pipe.hset(key, self.id, b'{"t":%r,"r":%s}' % (now, own))
+                    commands.append(("HSET", key, self.id, b'{"t":%r,"r":%s}' % (now, own)))
                     # Gone with the last gateway: nobody's load outlives it for long.
-                    pipe.pexpire(key, int(s.load_ttl_s * 10_000))
+                    commands.append(("PEXPIRE", key, int(s.load_ttl_s * 10_000)))
                     self._own_load[pool.name] = own
                     self._load_sent = now
-                loads.append((pool.name, len(pipe)))
-                pipe.hgetall(self.load_keys[pool.name])
-        if not len(pipe):
-            return
+                loads.append((pool.name, len(commands)))
+                commands.append(("HGETALL", key))
+        commands.append(("XREAD", "COUNT", _READ_COUNT, "STREAMS", *self.last_ids,
+                         *self.last_ids.values()))
         try:
-            results = await pipe.execute()
+            replies = await self._round_trip(commands)
         except BaseException:
             self._requeue(batch)
             if republish:
@@ -259,7 +251,31 @@ class SharedRouting:
         for pool, items in pools.items():
             self.observer.shared_inserts(pool, "published", len(items))
         for pool_name, at in loads:
-            self._read_loads(pool_name, results[at])
+            self._read_loads(pool_name, _pairs(replies[at]))
+        got = replies[-1] or ()
+        behind = False
+        for stream, entries in (got.items() if isinstance(got, dict) else got):
+            self._apply(stream, entries)
+            behind = behind or len(entries) >= _READ_COUNT
+        return behind
+
+    async def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send `commands` at once on this gateway's own connection and read their raw
+        replies: a tick costs one write and one read, without a client pipeline's layers
+        (what runs every flush interval, for as long as the gateway runs)."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.link.client.connection_pool.make_connection()
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies = [await conn.read_response() for _ in commands]
+        except BaseException:
+            await conn.disconnect()  # never read what is left of these replies as the next
+            raise
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     @staticmethod
     def _by_pool(batch: list[tuple[str, str, float, Sequence[int]]]
@@ -323,7 +339,7 @@ class SharedRouting:
 
     # Reading ------------------------------------------------------------------------------
 
-    def _apply(self, stream: bytes, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _apply(self, stream: bytes, entries: list[list[Any]]) -> None:
         pool_name = self._pool_of_stream.get(stream)
         if pool_name is None or not entries:
             return
@@ -333,7 +349,8 @@ class SharedRouting:
         me = self.id.encode()
         now = time.time()
         observe = self.observer.shared_lag
-        for _, fields in entries:
+        for _, raw in entries:
+            fields = _pairs(raw)
             if fields.get(b"g") == me:
                 continue
             if b"q" in fields:  # a peer missed entries: publish ours again
