@@ -379,8 +379,12 @@ class SharedRouting:
             except ResponseError:  # no such key: Redis lost the stream
                 missed.append(pool)
                 continue
-            deleted = info.get("max-deleted-entry-id") or b"0-0"
-            if _id(deleted) > _id(last):
+            # Trimming takes the oldest entries: those after `last` are all still there
+            # unless the stream's head has passed it (then some may be gone: ask, at the
+            # price of one republish too many).
+            first = info.get("first-entry")
+            added = info.get("last-generated-id") or b"0-0"
+            if _id(added) > _id(last) and (not first or _id(first[0]) > _id(last)):
                 missed.append(pool)
         if missed:
             log.info("shared routing state: entries of pools %s were lost while this gateway "
