@@ -168,7 +168,7 @@ class SharedRouting:
     def _failed(self, exc: BaseException) -> None:
         """Something other than an outage went wrong: logged once per kind, then retried."""
         what = f"{type(exc).__name__}: {exc}"
-        if what not in self._failures:
+        if what not in self._failures and len(self._failures) < 64:
             self._failures.add(what)
             log.error("shared routing state: %s (retrying)", what, exc_info=exc)
 
