@@ -176,26 +176,27 @@ class SharedRouting:
         s = self.settings
         delay = _BACKOFF_S[0]
         next_load = 0.0
-        behind = False
+        behind = failed = False
         while True:
-            if not behind:
-                await asyncio.sleep(s.flush_interval_s if self.link.up is not False else delay)
+            if failed:  # an outage, or a bug: retried with a growing backoff
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+            elif not behind:
+                await asyncio.sleep(s.flush_interval_s)
             now = time.monotonic()
             load_due = now >= next_load
+            behind, failed = False, True
             try:
                 if self._check_gap:  # before reading on: the gap is measured from the last id
                     await self._ask_if_missed()
                 behind = await self.tick(load_due)
             except UNAVAILABLE as exc:
                 self.link.mark_down(exc)
-                delay = min(delay * 2, _BACKOFF_S[1])
-                behind = False
                 continue
             except Exception as exc:  # a bug must not end the sharing
                 self._failed(exc)
-                delay = min(delay * 2, _BACKOFF_S[1])
-                behind = False
                 continue
+            failed = False
             delay = _BACKOFF_S[0]
             if load_due:
                 next_load = now + s.load_interval_s
