@@ -185,12 +185,26 @@ class WorkerView:
         self.interval_s = interval_s
         self.pid = os.getpid()
         self.path = self.directory / f"{self.pid}.json"
+        self._written: tuple[float, ...] = ()
 
     def _own(self) -> dict[str, Any]:
         return {"pid": self.pid, "metrics": dump_metrics(self.state.metrics),
                 "stats": raw_stats(self.state)}
 
+    def signature(self) -> tuple[float, ...]:
+        """Changes whenever anything the file holds for the others may have: a cheap look
+        (a sum per family), so that an idle worker writes nothing."""
+        out = []
+        for f in self.state.metrics.families():
+            if isinstance(f, HistogramFamily):
+                out.append(sum(sum(row) for row in f.rows.values()))
+            else:
+                out.append(sum(f.values.values()))  # type: ignore[attr-defined]
+            out.append(len(f.rows if isinstance(f, HistogramFamily) else f.values))  # type: ignore[attr-defined]
+        return tuple(out)
+
     def write(self) -> dict[str, Any]:
+        self._written = self.signature()
         own = self._own()
         tmp = self.directory / f".{self.pid}.tmp"
         tmp.write_bytes(orjson.dumps(own))
@@ -200,6 +214,8 @@ class WorkerView:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            if self.signature() == self._written:
+                continue
             try:
                 self.write()
             except OSError as exc:  # the directory went away: the gateway is stopping
