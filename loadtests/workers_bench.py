@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import psutil
 
 from loadtests.fleet import Fleet
-from loadtests.overhead import closed_loop, cpu_seconds, interleave, open_loop, request_bodies
 from loadtests.overhead import _run_sync as run_sync
+from loadtests.overhead import closed_loop, cpu_seconds, interleave, open_loop, request_bodies
 from loadtests.report import span
 from loadtests.stats import median
 
@@ -54,10 +55,21 @@ def measure(args: argparse.Namespace) -> dict:
                    "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok),
                    "gateway_cores": gcpu / run.wall if run.wall else 0.0}
             results.setdefault(kind, {}).setdefault(v, []).append(rec)
-            print(f"  {kind:12} {v}  {run.rps:7.0f} req/s  gateway {rec['gateway_cpu_ms_per_req']:.3f}"
-                  f" ms CPU/req ({rec['gateway_cores']:.2f} cores)  errors {run.errors}",
+            cpu_ms = rec["gateway_cpu_ms_per_req"]
+            print(f"  {kind:12} {v}  {run.rps:7.0f} req/s  gateway {cpu_ms:.3f} ms CPU/req"
+                  f" ({rec['gateway_cores']:.2f} cores)  errors {run.errors}",
                   file=sys.stderr, flush=True)
 
+        def idle(v: str, _r: int) -> None:
+            """What the gateway spends with no request: health checks, metric scrapes."""
+            pids = gateway_pids(targets[v][1])
+            g0, t0 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
+            time.sleep(args.duration)
+            ms = 1000 * (sum(cpu_seconds(p) for p in pids) - g0) / (time.perf_counter() - t0)
+            results.setdefault("idle", {}).setdefault(v, []).append(ms)
+            print(f"  idle         {v}  {ms:.1f} ms CPU per second", file=sys.stderr, flush=True)
+
+        interleave(args.reps, list(VARIANTS), idle)
         interleave(args.reps, list(VARIANTS), lambda v, _r: one(
             f"closed c={args.concurrency}", v, closed_loop, args.concurrency, args.duration))
         for rate in args.rates:
@@ -69,7 +81,10 @@ def measure(args: argparse.Namespace) -> dict:
 def table(results: dict) -> str:
     lines = ["| load | gateway | req/s | gateway CPU ms/req | gateway cores busy | errors |",
              "|---|---|---:|---:|---:|---:|"]
+    idle = results.get("idle", {})
     for kind, by in results.items():
+        if kind == "idle":
+            continue
         for v in VARIANTS:
             runs = by[v]
             rps = [r["rps"] for r in runs]
@@ -78,6 +93,9 @@ def table(results: dict) -> str:
                          f"{median(cpu):.3f} {span(cpu)} | "
                          f"{median([r['gateway_cores'] for r in runs]):.2f} | "
                          f"{sum(r['errors'] for r in runs)} |")
+    lines.append("")
+    lines.append("Idle (no requests): " + ", ".join(
+        f"{v} {median(idle[v]):.1f} ms CPU per second" for v in VARIANTS if v in idle))
     return "\n".join(lines)
 
 
