@@ -148,6 +148,8 @@ class Supervisor:
             slot.serving = True
             slot.deaths = 0
             self.startup_failures = 0
+            if self.announced:
+                log.info("worker %d (slot %d) serving", slot.pid, slot.index)
             if not self.announced and all(s.serving for s in self.slots):
                 self.announced = True
                 pids = ", ".join(str(s.pid) for s in self.slots)

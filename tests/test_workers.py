@@ -5,6 +5,7 @@ merge the workers' figures."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,6 +121,9 @@ def test_workers_share_the_port_and_metrics_cover_them_all(gw: Gateway) -> None:
     poll(lambda: f"worker {victim} (slot" in gw.log() and "was killed by SIGKILL" in gw.log(),
          deadline_s=15)
     poll(lambda: len(now := worker_pids(gw)) == WORKERS and victim not in now, deadline_s=30)
+    replacement = (set(worker_pids(gw)) - set(pids)).pop()
+    poll(lambda: re.search(rf"worker {replacement} \(slot \d\) serving", gw.log()),
+         deadline_s=15)
     assert requests_total(gw) == sent
     before = sent
     sent += serve_both(gw)
