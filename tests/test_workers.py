@@ -29,7 +29,7 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory) -> Iterator[Sims]:
-    # Real-time simulated replicas: a stream of 200 tokens lasts a few seconds.
+    # Real-time simulated replicas: a stream of 400 tokens lasts about 8 s (21 ms a token).
     s = start_sims(["vllm", "vllm"], tmp_path_factory.mktemp("sims"), time_scale=1.0)
     yield s
     s.stop()
@@ -151,7 +151,7 @@ def test_sighup_reloads_every_worker(gw: Gateway, sims: Sims) -> None:
 def stream(url: str, results: list, i: int) -> None:
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": f"stream {i} " * 40, "max_tokens": 200,
+                "model": "tiny", "prompt": f"stream {i} " * 40, "max_tokens": 400,
                 "stream": True}) as r:
             body = b"".join(r.iter_bytes())
         results.append((r.status_code, body))
