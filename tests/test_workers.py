@@ -20,6 +20,7 @@ import pytest
 
 from gateway import processes
 from gateway.metrics import GatewayMetrics
+from gateway.stats import render_table
 from gateway.workerview import dump_metrics, merge_metrics, merge_stats
 from tests.conftest import ROOT, Gateway, Sims, poll, start_gateway, start_sims
 from tests.test_reload_process import config, padded, write_unseen
@@ -263,10 +264,14 @@ def test_merged_metrics_sum_counters_histograms_and_held_gauges() -> None:
 
 def _stats(requests: int, inflight: int, hits: int, misses: int, ttfts: list[float],
            decisions: dict[str, int]) -> dict:
-    replica = {"name": "r", "inflight": inflight, "pending_prefill_tokens": 10 * inflight,
+    replica = {"name": "r", "healthy": True, "engine_hit_ratio": None, "inflight": inflight,
+               "pending_prefill_tokens": 10 * inflight,
                "requests": requests, "errors": 0, "estimated_hit_ratio": None,
                "ttft_p50_s": None, "ttft_p95_s": None}
-    return {"snapshot": {"pools": [{"name": "p", "traffic_classes": {"c": requests},
+    return {"snapshot": {"pools": [{"name": "p", "engine": "vllm", "policy": "prefix_affinity",
+                                    "models": ["tiny"], "prefill_tokens_per_s": None,
+                                    "prefill_rate_learned": False,
+                                    "traffic_classes": {"c": requests},
                                     "decisions_by_reason": decisions, "replicas": [replica]}],
                          "admission": {"classes": [], "pools": []}},
             "replicas": {"r": [hits, misses, ttfts]}, "queue_waits": {}}
@@ -285,3 +290,5 @@ def test_merged_stats_cover_every_live_worker() -> None:
     assert merged["worker_pid"] == 1
     assert merged["workers"] == [{"pid": 1, "requests": 2, "inflight": 1},
                                  {"pid": 2, "requests": 4, "inflight": 2}]
+    assert render_table(merged).startswith(
+        "workers: 2 (pid 1: 2 requests, 1 in flight, pid 2: 4 requests, 2 in flight)\n")
