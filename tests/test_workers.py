@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import psutil
 import pytest
 
 from gateway import processes
@@ -292,3 +293,19 @@ def test_merged_stats_cover_every_live_worker() -> None:
                                  {"pid": 2, "requests": 4, "inflight": 2}]
     assert render_table(merged).startswith(
         "workers: 2 (pid 1: 2 requests, 1 in flight, pid 2: 4 requests, 2 in flight)\n")
+
+
+def test_one_worker_is_one_process_as_before(sims: Sims, tmp_path: Path) -> None:
+    port = processes.free_ports(1)[0]
+    g = start_gateway(config(port, {"rt-0": sims.urls[0]}), tmp_path)
+    try:
+        complete(g, "one process " * 20)
+        assert psutil.Process(g.proc.pid).children() == []  # no supervisor, no worker
+        body = stats(g)
+        assert "workers" not in body and "worker_pid" not in body
+        assert "workers)" not in g.log()
+        r = httpx.post(g.url + "/admin/pools/rt/replicas", timeout=10,
+                       json={"name": "rt-1", "url": sims.urls[1]})
+        assert r.status_code == 201  # the admin API changes the one process's replicas
+    finally:
+        g.stop()
