@@ -185,7 +185,8 @@ class WorkerView:
         self.interval_s = interval_s
         self.pid = os.getpid()
         self.path = self.directory / f"{self.pid}.json"
-        self._written: tuple[float, ...] = ()
+        self.written: tuple[float, ...] = ()
+        """The signature of what the file holds now."""
 
     def _own(self) -> dict[str, Any]:
         return {"pid": self.pid, "metrics": dump_metrics(self.state.metrics),
@@ -194,17 +195,18 @@ class WorkerView:
     def signature(self) -> tuple[float, ...]:
         """Changes whenever anything the file holds for the others may have: a cheap look
         (a sum per family), so that an idle worker writes nothing."""
-        out = []
+        out: list[float] = []
         for f in self.state.metrics.families():
-            if isinstance(f, HistogramFamily):
-                out.append(sum(sum(row) for row in f.rows.values()))
+            if isinstance(f, HistogramFamily):  # counts only grow: their sum tells
+                out += (sum(sum(row) for row in f.rows.values()), len(f.rows))
+            elif isinstance(f, GaugeFamily):  # one series up, another down: every value
+                out.append(hash(tuple(f.values.items())))
             else:
-                out.append(sum(f.values.values()))  # type: ignore[attr-defined]
-            out.append(len(f.rows if isinstance(f, HistogramFamily) else f.values))  # type: ignore[attr-defined]
+                out += (sum(f.values.values()), len(f.values))  # type: ignore[attr-defined]
         return tuple(out)
 
     def write(self) -> dict[str, Any]:
-        self._written = self.signature()
+        self.written = self.signature()
         own = self._own()
         tmp = self.directory / f".{self.pid}.tmp"
         tmp.write_bytes(orjson.dumps(own))
@@ -214,7 +216,7 @@ class WorkerView:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if self.signature() == self._written:
+            if self.signature() == self.written:
                 continue
             try:
                 self.write()

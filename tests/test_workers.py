@@ -309,3 +309,31 @@ def test_one_worker_is_one_process_as_before(sims: Sims, tmp_path: Path) -> None
         assert r.status_code == 201  # the admin API changes the one process's replicas
     finally:
         g.stop()
+
+
+def test_a_worker_rewrites_its_file_when_any_figure_moved(tmp_path: Path) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.defaults import one_pool_config
+    from gateway.state import GatewayState
+    from gateway.workerview import WorkerView
+
+    state = GatewayState(GatewayConfig.model_validate(one_pool_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+    view = WorkerView(tmp_path, state)
+    inflight = state.metrics.inflight
+    inflight.set(("default", "replica-0"), 1)
+    inflight.set(("default", "replica-1"), 0)
+    view.write()
+    assert view.signature() == view.written  # nothing moved: the periodic write skips
+    # A request moved from one replica to another: the total is the same, the file is not.
+    inflight.set(("default", "replica-0"), 0)
+    inflight.set(("default", "replica-1"), 1)
+    assert view.signature() != view.written
+    state.metrics.requests.inc(("default", "replica-0", "default", "200"))
+    view.write()
+    on_disk = orjson.loads((tmp_path / f"{os.getpid()}.json").read_bytes())
+    assert [["default", "replica-0", "default", "200"], 1.0] in \
+        on_disk["metrics"]["gateway_requests"]
+    assert view.signature() == view.written
+    state.metrics.requests.inc(("default", "replica-0", "default", "200"))
+    assert view.signature() != view.written
