@@ -30,3 +30,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "prefix-gateway.redisName" -}}
 {{- printf "%s-redis" (include "prefix-gateway.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{- define "prefix-gateway.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "prefix-gateway.redisName" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: redis
+{{- end }}
+
+{{- define "prefix-gateway.redisLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "prefix-gateway.redisSelectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
