@@ -266,7 +266,7 @@ def test_the_dockerfiles_lint_clean_and_run_the_gateway_unprivileged() -> None:
     steps = dockerfile_instructions(DOCKERFILE)
     words = dict(steps)
     assert steps[0] == ("FROM", "python:3.11-slim")
-    assert words["USER"] not in ("root", "0")
+    assert words["USER"] == "10001:10001"  # the chart's runAsUser and runAsGroup
     assert words["EXPOSE"] == str(PORT)
     assert f"PREFIX_GATEWAY_PORT={PORT}" in words["ENV"].split() or any(
         f"PREFIX_GATEWAY_PORT={PORT}" in args for op, args in steps if op == "ENV")
