@@ -537,3 +537,37 @@ def test_the_chart_carries_the_projects_rules_and_dashboard_unchanged() -> None:
     files = CHART / "files"
     assert (files / RULES.name).read_bytes() == RULES.read_bytes()
     assert (files / DASHBOARD.name).read_bytes() == DASHBOARD.read_bytes()
+
+
+def test_the_dashboard_is_laid_out_and_bound_to_its_data_source_variable() -> None:
+    """What Grafana needs to import it anywhere: unique panel ids, panels inside the 24-column
+    grid and not overlapping, every query on the `datasource` variable, and every panel the
+    issue asks for."""
+    board = json.loads(DASHBOARD.read_text())
+    assert board["uid"] == "prefix-gateway"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = board["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
+        assert not mine & cells, f"{panel['title']} overlaps another panel"
+        cells |= mine
+        if panel["type"] != "row":
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert panel["targets"] and all(t["datasource"] == panel["datasource"]
+                                            for t in panel["targets"])
+    exprs = " ".join(e for _, e in dashboard_exprs())
+    for metric in ("gateway_time_to_first_token_seconds_bucket",
+                   "gateway_time_per_output_token_seconds_bucket", "gateway_requests_total",
+                   "gateway_prefix_blocks_total", "gateway_engine_prefix_cache_hit_ratio",
+                   "gateway_routing_decisions_total", "gateway_inflight_requests",
+                   "gateway_queue_depth", "gateway_engine_kv_cache_usage_ratio",
+                   "gateway_replica_up", f'up{{job="{JOB}"}}'):
+        assert metric in exprs, metric
+    assert 'replica=~"$replica"' in exprs and 'pool=~"$pool"' in exprs
