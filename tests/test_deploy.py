@@ -517,6 +517,25 @@ def test_helm_lints_the_chart_and_its_rendered_manifests_validate(tmp_path: Path
     assert not selector.items() <= redis_service["metadata"]["labels"].items()
 
 
+def test_the_charts_values_schema_rejects_what_would_deploy_wrong() -> None:
+    """values.schema.json: Helm refuses misspelt keys and wrong values at install, as the
+    gateway refuses them in its own file."""
+    with helm().Chart.load(str(CHART)) as chart:
+        chart.validate_schema({})
+        chart.validate_schema(ALL_ON)
+        for values, message in (({"podAntiAffinity": "sometimes"}, "/podAntiAffinity"),
+                                ({"replicaCount": 0}, "/replicaCount"),
+                                ({"servce": {"port": 8080}}, "'servce' not allowed"),
+                                ({"service": {"port": "http"}}, "/service/port"),
+                                ({"redis": {"persistance": {}}}, "'persistance' not allowed"),
+                                ({"autoscaling": {"targetCPUUtilizationPercentage": 150}},
+                                 "/autoscaling/targetCPUUtilizationPercentage")):
+            with pytest.raises(Exception, match=re.escape(message)):
+                chart.validate_schema(values)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]) == set(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
 def test_the_plain_manifests_are_the_chart_rendered() -> None:
     helm()
     checked = run(sys.executable, DEPLOY / "helm" / "render.py", "--check")
