@@ -21,6 +21,12 @@ log = logging.getLogger("prefix_gateway")
 REDIS_ENV = "PREFIX_GATEWAY_REDIS_URL"
 API_KEY_ENV = "PREFIX_GATEWAY_API_KEY"
 ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
+# `serve`'s settings from the environment, for containers: each flag, when given, wins.
+CONFIG_ENV = "PREFIX_GATEWAY_CONFIG"
+HOST_ENV = "PREFIX_GATEWAY_HOST"
+PORT_ENV = "PREFIX_GATEWAY_PORT"
+LOG_LEVEL_ENV = "PREFIX_GATEWAY_LOG_LEVEL"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def redis_url(args: argparse.Namespace) -> str | None:
@@ -215,15 +221,17 @@ def serve_overrides(args: argparse.Namespace) -> Callable[[GatewayConfig], Gatew
     """What the command line changes in the file's configuration: applied at start and to
     each reload, so that a reload sees no change the file did not make."""
     url = redis_url(args)
+    host = args.host or os.environ.get(HOST_ENV) or None
+    port = args.port if args.port is not None else env_port()
 
     def prepare(config: GatewayConfig) -> GatewayConfig:
         config = with_redis(config, url)
-        if args.host:
-            config.server.host = args.host
+        if host:
+            config.server.host = host
         if args.allow_unauthenticated:
             config.auth.allow_unauthenticated = True
-        if args.port is not None:
-            config.server.port = args.port
+        if port is not None:
+            config.server.port = port
         if args.workers is not None:
             config.server.workers = args.workers
         return config
@@ -231,9 +239,38 @@ def serve_overrides(args: argparse.Namespace) -> Callable[[GatewayConfig], Gatew
     return prepare
 
 
+def env_port() -> int | None:
+    """PREFIX_GATEWAY_PORT as a port number, None when unset or empty."""
+    value = os.environ.get(PORT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise ConfigError(f"{PORT_ENV}={value!r}: not a port number (0-65535)")
+    return int(value)
+
+
+def serve_env(args: argparse.Namespace) -> str | None:
+    """Fill `serve`'s --config and --log-level from the environment when not given; an
+    error message, or None."""
+    if args.config is None:
+        args.config = os.environ.get(CONFIG_ENV) or None
+        if args.config is None:
+            return f"no configuration file: give --config FILE or set {CONFIG_ENV}"
+    if args.log_level is None:
+        level = os.environ.get(LOG_LEVEL_ENV, "").strip().lower() or "info"
+        if level not in LOG_LEVELS:
+            return f"{LOG_LEVEL_ENV}={level!r}: not one of {', '.join(LOG_LEVELS)}"
+        args.log_level = level
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    prepare = serve_overrides(args)
+    problem = serve_env(args)
+    if problem:
+        print(f"prefix-gateway: {problem}", file=sys.stderr)
+        return 2
     try:
+        prepare = serve_overrides(args)
         config = prepare(load_config(args.config))
     except ConfigError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
@@ -421,15 +458,15 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
         "most likely to hold it in cache, within a bound on load."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, log_level: str | None = "info") -> None:
         p.add_argument("--access-log", action="store_true", help="log every request")
-        p.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+        p.add_argument("--log-level", default=log_level, choices=LOG_LEVELS,
+                       help=None if log_level else f"default: {LOG_LEVEL_ENV}, else info")
 
     p = sub.add_parser("serve", help="serve with a configuration file")
-    p.add_argument("--config", required=True, help="YAML file (see deploy/examples)")
-    p.add_argument("--host", help="override server.host")
-    p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--config", help=f"YAML file (see deploy/examples); default: {CONFIG_ENV}")
+    p.add_argument("--host", help=f"override server.host (also {HOST_ENV})")
+    p.add_argument("--port", type=int, help=f"override server.port (also {PORT_ENV})")
     p.add_argument("--workers", type=_positive, help="override server.workers: worker processes "
                    "sharing the port (default 1: one process, no supervisor)")
     p.add_argument("--check", action="store_true", help="validate the file and exit")
@@ -438,7 +475,7 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
                    "allow_unauthenticated): anyone who reaches it may use it")
     p.add_argument("--redis-url", help=f"Redis for the Batch API, overriding redis.url (also "
                    f"{REDIS_ENV})")
-    common(p)
+    common(p, log_level=None)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("up", help="run the embedded default: two pools of local replicas")
