@@ -65,7 +65,9 @@ def redis_banner(config: GatewayConfig) -> str:
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
                 log_level: str = "info", banner: str | None = None,
                 config_path: str | None = None,
-                prepare: Callable[[GatewayConfig], GatewayConfig] | None = None) -> None:
+                prepare: Callable[[GatewayConfig], GatewayConfig] | None = None,
+                sock: socket.socket | None = None, workers_dir: str | None = None,
+                on_started: Callable[[], None] | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully).
 
     With `config_path`, the file is reloaded on SIGHUP and when it changes (gateway/reload.py),
@@ -73,6 +75,9 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
 
     The socket is bound first, so a port in use fails here (OSError) before anything claims
     to serve; `banner` ("serving on ...") is printed once the server has started on it.
+    A worker of `serve --workers N` (gateway/supervisor.py) gets the listening `sock` its
+    supervisor bound, the directory the workers share their figures in, and `on_started`,
+    called once it serves.
     """
     import uvicorn
 
@@ -83,7 +88,9 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
     if problem:  # every command that serves passes here
         raise ConfigError(problem)
     server = config.server
-    sock = bind_socket(server.host, server.port)
+    own_socket = sock is None
+    if sock is None:
+        sock = bind_socket(server.host, server.port)
     limits = ServerLimits(
         max_header_bytes=server.max_header_bytes, max_headers=server.max_headers,
         header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
@@ -96,7 +103,7 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         def reloader(fleet):
             return Reloader(config_path, fleet, fleet.state.metrics, prepare)
 
-    app = create_app(config, reloader)
+    app = create_app(config, reloader, workers_dir)
     server_cfg = uvicorn.Config(
         app,
         # Measured faster than asyncio + h11 (docs/benchmarks.md); httptools, bounded.
@@ -110,9 +117,10 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
     )
     ignore_sighup()
     try:
-        _server(server_cfg, banner).run(sockets=[sock])
+        _server(server_cfg, banner, on_started).run(sockets=[sock])
     finally:
-        sock.close()
+        if own_socket:
+            sock.close()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -142,8 +150,9 @@ def ignore_sighup() -> None:
     signal.signal(signal.SIGHUP, _ignored_sighup)
 
 
-def _server(config, banner: str | None):
-    """uvicorn's Server, printing `banner` only once it is listening."""
+def _server(config, banner: str | None, on_started: Callable[[], None] | None = None):
+    """uvicorn's Server, printing `banner` (and calling `on_started`) only once it is
+    listening."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -151,6 +160,8 @@ def _server(config, banner: str | None):
             await super().startup(sockets=sockets)
             if self.started and banner:
                 print(banner, flush=True)
+            if self.started and on_started is not None:
+                on_started()
 
     return Server(config)
 
@@ -221,6 +232,8 @@ def serve_overrides(args: argparse.Namespace) -> Callable[[GatewayConfig], Gatew
             config.auth.allow_unauthenticated = True
         if port is not None:
             config.server.port = port
+        if args.workers is not None:
+            config.server.workers = args.workers
         return config
 
     return prepare
@@ -275,15 +288,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
+    banner = f"prefix-gateway: serving on http://{config.server.host}:{config.server.port}"
+    if config.server.workers > 1:
+        return serve_workers(args, config, prepare, banner)
     try:
         run_gateway(config, access_log=args.access_log, log_level=args.log_level,
-                    banner=f"prefix-gateway: serving on http://{config.server.host}:"
-                           f"{config.server.port}",
-                    config_path=args.config, prepare=prepare)
+                    banner=banner, config_path=args.config, prepare=prepare)
     except OSError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_workers(args: argparse.Namespace, config: GatewayConfig,
+                  prepare: Callable[[GatewayConfig], GatewayConfig], banner: str) -> int:
+    """`serve` with server.workers > 1: this process binds the port, then supervises the
+    workers it forks (gateway/supervisor.py), each serving on the inherited socket."""
+    from gateway.supervisor import Supervisor
+
+    n = config.server.workers
+    try:
+        sock = bind_socket(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 1
+
+    def worker(workers_dir: str, on_started: Callable[[], None]) -> None:
+        # The file as it is now: a worker started again after a reload serves what the
+        # others serve. If it became invalid meanwhile, the configuration the gateway
+        # started with (the others keep theirs too).
+        try:
+            cfg = prepare(load_config(args.config))
+            cfg.server.workers = n
+        except ConfigError as exc:
+            log.error("worker %d: the configuration file is invalid now (%s); starting on "
+                      "the configuration the gateway started with", os.getpid(), exc)
+            cfg = config
+        run_gateway(cfg, access_log=args.access_log, log_level=args.log_level,
+                    config_path=args.config, prepare=prepare, sock=sock,
+                    workers_dir=workers_dir, on_started=on_started)
+
+    try:
+        return Supervisor(n, worker, banner).run()
+    finally:
+        sock.close()
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -395,6 +443,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return main_from_args(args) or 0
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
 def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
     """The command's parser; without `sim_options`, `sim` is listed but takes no options
     (they come from the simulator, whose import costs every other command a quarter second)."""
@@ -412,6 +467,8 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--config", help=f"YAML file (see deploy/examples); default: {CONFIG_ENV}")
     p.add_argument("--host", help=f"override server.host (also {HOST_ENV})")
     p.add_argument("--port", type=int, help=f"override server.port (also {PORT_ENV})")
+    p.add_argument("--workers", type=_positive, help="override server.workers: worker processes "
+                   "sharing the port (default 1: one process, no supervisor)")
     p.add_argument("--check", action="store_true", help="validate the file and exit")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback host without client keys (auth."

@@ -331,6 +331,11 @@ class ClassificationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(
+        1, ge=1, le=256, description="worker processes sharing the port (serve only); above 1, "
+        "a supervising process starts, restarts and stops them, and /metrics and /admin/stats "
+        "cover them all"
+    )
     response_headers: bool = Field(True, description="send x-gateway-replica / x-gateway-pool")
     explain_headers: bool = Field(True, description="send x-gateway-route-reason / -match")
     request_timeout_s: float = Field(

@@ -281,15 +281,17 @@ def render_table(res: dict[str, Any]) -> str:
 
 def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
                   routing: dict[str, Any] | None = None, name: str = "gateway",
-                  ) -> tuple[str, subprocess.Popen]:
-    """A gateway with one pool of the replicas; the policy left out means the gateway's."""
+                  workers: int = 1) -> tuple[str, subprocess.Popen]:
+    """A gateway with one pool of the replicas; the policy left out means the gateway's;
+    `workers`: its server.workers."""
     routing = {**(routing or {}), **({"policy": policy} if policy else {})}
     # Lenient health checks: with sims, gateway and client sharing a few cores, a starved
     # event loop can fail 2 s checks for every replica at once (a 32-replica run got 216
     # 503s); this measures routing, not failure detection.
     return fleet.start_gateway(replica_urls, name, pool="replay", models=(MODEL,),
                                replica_prefix="sim", routing=routing or None,
-                               health={"timeout_s": 10.0, "failure_threshold": 3})
+                               health={"timeout_s": 10.0, "failure_threshold": 3},
+                               server={"workers": workers} if workers > 1 else None)
 
 
 def default_policy() -> str:
@@ -320,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"simulated latency profile (default {DEFAULT_PROFILE})")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply simulated latencies (0.1 = ten times faster engines)")
+    p.add_argument("--gateway-workers", type=int, default=1, help="server.workers of the "
+                   "gateway replay starts (serve --workers): routing state is per worker")
     p.add_argument("--url", help="drive this running OpenAI-compatible router instead")
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("replay: --replica-urls needs --url")
                 replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
                                                 args.profile, args.time_scale)
-                url, _ = start_gateway(fleet, replica_urls, args.policy, dict(args.settings))
+                url, _ = start_gateway(fleet, replica_urls, args.policy, dict(args.settings),
+                                       workers=args.gateway_workers)
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "
