@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,6 +331,13 @@ def gateway_config(replica_urls: Sequence[str], policy: str | None,
     return cfg
 
 
+def redis_section(url: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gateways' `redis` section for one run: `url`, a key prefix of the run's own (so no
+    state of an earlier run in the same Redis is read), and `extra` keys (which may name
+    another `key_prefix`)."""
+    return {"url": url, "key_prefix": f"replay-{uuid.uuid4().hex[:10]}:", **(extra or {})}
+
+
 def start_gateways(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
                    routing: dict[str, Any] | None = None, count: int = 1,
                    redis: dict[str, Any] | None = None, name: str = "gateway",
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.redis_set and not (args.redis or args.redis_url):
                     raise SystemExit("replay: --redis-set needs --redis or --redis-url")
                 redis_url = fleet.start_redis() if args.redis else args.redis_url
-                redis = {"url": redis_url, **dict(args.redis_set)} if redis_url else None
+                redis = redis_section(redis_url, dict(args.redis_set)) if redis_url else None
                 replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
                                                 args.profile, args.time_scale)
                 started = start_gateways(fleet, replica_urls, args.policy, dict(args.settings),
