@@ -48,6 +48,8 @@ def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceReque
             fleet.stop_process(proc)
     res = rp.summarize(data, requests, opts.label)
     res["redis"] = redis is not None
+    if redis:
+        res["redis_key_prefix"] = redis["key_prefix"]
     if cpu0 is not None and cpu1 is not None:
         res["gateway_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(requests)
     return res
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-capacity-tokens", type=int, default=rp.DEFAULT_KV_CAPACITY_TOKENS)
     p.add_argument("--profile", default=rp.DEFAULT_PROFILE)
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--concurrency-limit", type=int, default=0,
+                   help="cap on requests in flight (default 0: none, pure open loop)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", action="store_true", help="print the results as JSON, one line "
                    "each, after the table")
@@ -139,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 for count in counts:
                     redis = (rp.redis_section(redis_url, dict(args.redis_set))
                              if with_redis and redis_url else None)
-                    opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout,
-                                            label=policy)
+                    opts = rp.ReplayOptions(args.max_output, args.concurrency_limit,
+                                            args.timeout, label=policy)
                     t = time.monotonic()
                     res = run_one(fleet, urls, requests, count, redis, args.policy,
                                   dict(args.settings), opts)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from loadtests.gateways import main as gateways_main
 from loadtests.replay import (
     REPLICA_HEADER,
     REQUIRED_KEYS,
@@ -140,6 +141,15 @@ async def test_replay_alternates_gateways_and_reports_agreement_from_the_replica
     assert res["errors"] == 0 and res["errors_per_gateway"] == [0, 0]
 
 
+def _hand_trace(tmp_path: Path) -> Path:
+    """Nine requests 50 ms apart sharing their first two blocks, each with a third of its own."""
+    trace = tmp_path / "hand.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": 50 * i, "input_length": 1500, "output_length": 4,
+                    "hash_ids": [11, 12, 100 + i]}) + "\n" for i in range(9)))
+    return trace
+
+
 @pytest.mark.parametrize(("gateways", "policy", "agreement"), [
     # One gateway keeps the shared prefix on the replica that has it: every warm request
     # goes home.
@@ -150,15 +160,10 @@ async def test_replay_alternates_gateways_and_reports_agreement_from_the_replica
 ])
 def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int, policy: str,
                                               agreement: float) -> None:
-    # Nine requests sharing their first two blocks, each with a third of its own, sent one at
-    # a time (--concurrency-limit 1) so that no load ever moves a request.
-    trace = tmp_path / "hand.jsonl"
-    trace.write_text("".join(
-        json.dumps({"timestamp": 50 * i, "input_length": 1500, "output_length": 4,
-                    "hash_ids": [11, 12, 100 + i]}) + "\n" for i in range(9)))
-    res = run(["--trace", str(trace), "--replicas", "2", "--gateways", str(gateways),
-               "--policy", policy, "--time-scale", "0.02", "--max-output", "4",
-               "--concurrency-limit", "1", "--redis"])
+    # Sent one at a time (--concurrency-limit 1) so that no load ever moves a request.
+    res = run(["--trace", str(_hand_trace(tmp_path)), "--replicas", "2",
+               "--gateways", str(gateways), "--policy", policy, "--time-scale", "0.02",
+               "--max-output", "4", "--concurrency-limit", "1", "--redis"])
     assert res["errors"] == 0, res.get("first_errors")
     assert res["gateways"] == gateways
     assert res["requests_per_gateway"] == ([9] if gateways == 1 else [5, 4])
@@ -172,3 +177,28 @@ def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int
     assert len({c.pop("server")["port"] for c in configs}) == gateways
     assert all(c == configs[0] for c in configs)
     assert configs[0]["routing"]["policy"] == policy
+
+
+def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Path) -> None:
+    # round_robin over 2 replicas: one gateway alternates them (no warm request goes home);
+    # two gateways both start from the first, so half do. Each run begins on emptied caches,
+    # so both see the same hit ratio; with Redis each run has a key prefix of its own. One
+    # request at a time, so each gateway receives its requests in order.
+    trace = _hand_trace(tmp_path)
+    out = tmp_path / "runs.jsonl"
+    code = gateways_main(["--trace", str(trace), "--replicas", "2", "--counts", "1,2",
+                          "--redis", "on", "--policy", "round_robin", "--time-scale", "0.02",
+                          "--max-output", "4", "--concurrency-limit", "1",
+                          "--output", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["gateways"], r["redis"], r["agreement"]) for r in runs] == [
+        (1, True, 0.0), (2, True, 0.5)]
+    assert all(r["errors"] == 0 and r["requests"] == 9 for r in runs)
+    assert runs[0]["hit_ratio"] == pytest.approx(runs[1]["hit_ratio"])
+    assert runs[0]["redis_key_prefix"] != runs[1]["redis_key_prefix"]
+    rows = [line for line in table.splitlines() if line.startswith("| 1 ") or
+            line.startswith("| 2 ")]
+    assert len(rows) == 2 and all("| yes |" in row for row in rows)
+    assert "| 0.500 | 8 |" in rows[1]
