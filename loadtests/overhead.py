@@ -4,6 +4,10 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
+Each gateway runs at its checkout's own server defaults; --internal-stream turns
+`non_streaming_ttft` on in every one (non-streaming requests streamed from the stubs and
+reassembled).
+
 With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
 this one, and every repetition runs direct, baseline and current in a rotating order; the
 table then puts baseline and current side by side with their ratio.
@@ -73,7 +77,8 @@ def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server={"non_streaming_ttft": internal_stream},
+                                    server={"non_streaming_ttft": True}
+                                    if internal_stream else None,
                                     pool_settings=pool)
     return proc, url
 
@@ -360,10 +365,11 @@ def summarise(res: dict) -> dict:
     out: dict = {"closed": {}, "open": {}}
     for mode, by in res["closed"].items():
         d = by["direct"]
+        direct_stubs = [x["stub_cpu_ms_per_req"] for x in d]
         row: dict = {"direct_rps": median([x["rps"] for x in d]),
                      "direct_rps_spread": span([x["rps"] for x in d]),
-                     "stub_cpu_ms_per_req_direct": median([x["cpu_ms_per_req"] for x in d]),
-                     "stub_cpu_ms_direct_spread": span([x["cpu_ms_per_req"] for x in d]),
+                     "stub_cpu_ms_per_req_direct": median(direct_stubs),
+                     "stub_cpu_ms_direct_spread": span(direct_stubs),
                      "errors": sum(x["errors"] for x in d), "routers": {}}
         for router in _routers(by):
             g = by[router]
@@ -451,13 +457,15 @@ def _added(direct: list[dict], gw: list[dict], metric: str) -> list[float]:
 
 def summarise_ab(res: dict) -> list[dict]:
     """One row per (measurement, metric): the median over repetitions and the [min..max] of
-    each gateway. Added latency is over direct, paired by repetition; streams count TTFT."""
+    each gateway (and of the SGLang router, when it ran). Added latency is over direct, paired
+    by repetition; streams count TTFT."""
     rows: list[dict] = []
     sections = [(f"closed {mode}", by) for mode, by in res["closed"].items()]
     sections += [(f"open {key}/s", by) for key, by in res["open"].items()]
     for name, by in sections:
         stream = by["direct"][0]["ttft_p50_ms"] is not None
         lat = "TTFT" if stream else "latency"
+        targets = [t for t in (*AB_GATEWAYS, "sglang") if t in by]
         metrics: list[tuple[str, Callable[[list[dict], list[dict]], list[float]]]] = [
             ("req/s", lambda d, g: [x["rps"] for x in g]),
             (f"added {lat} p50 ms", lambda d, g, m=("ttft_p50_ms" if stream else "p50_ms"):
@@ -466,14 +474,22 @@ def summarise_ab(res: dict) -> list[dict]:
                 _added(d, g, m)),
             ("gw CPU-ms/req", lambda d, g: [x["gateway_cpu_ms_per_req"] for x in g]),
         ]
-        errors = {gw: sum(x["errors"] for x in by[gw]) for gw in AB_GATEWAYS}
+        if by["direct"][0].get("stub_cpu_ms_per_req") is not None:
+            metrics.append(("stubs CPU-ms/req", lambda d, g: [x["stub_cpu_ms_per_req"]
+                                                              for x in g]))
+            metrics.append(("stubs direct CPU-ms", lambda d, g: [x["stub_cpu_ms_per_req"]
+                                                                 for x in d]))
+        errors = {gw: sum(x["errors"] for x in by[gw]) for gw in targets}
         for label, values in metrics:
             row: dict = {"measurement": name, "metric": label, "errors": errors}
-            for gw in AB_GATEWAYS:
+            for gw in targets:
                 xs = values(by["direct"], by[gw])
                 row[gw] = {"median": median(xs), "spread": span(xs)}
             b, c = row["baseline"]["median"], row["current"]["median"]
             row["ratio"] = c / b if b and b > 0 and c is not None else None
+            if "sglang" in row:
+                g = row["sglang"]["median"]
+                row["ratio_sglang"] = c / g if g and g > 0 and c is not None else None
             rows.append(row)
     return rows
 
@@ -481,26 +497,33 @@ def summarise_ab(res: dict) -> list[dict]:
 def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
     current = (f"current gateway (admission control, max_inflight_per_replica "
                f"{args.admission})" if getattr(args, "admission", None) else "current gateway")
-    lines = [f"\nbaseline ({args.baseline_root}) vs {current}; closed loop c="
+    sglang = any("sglang" in row for row in rows)
+    targets = [*AB_GATEWAYS, "sglang"] if sglang else list(AB_GATEWAYS)
+    lines = [f"\nbaseline ({args.baseline_root}) vs {current}"
+             f"{' vs the SGLang router' if sglang else ''}; closed loop c="
              f"{args.concurrency}, open loop at each rate; {args.duration:g}s x {args.reps} reps "
              "interleaved with direct (median [min..max]; added = gateway - direct per rep)",
-             f"{'measurement':22} {'metric':20} {'baseline':>28} {'current':>28} "
-             f"{'current/baseline':>17}"]
+             f"{'measurement':22} {'metric':20} "
+             + " ".join(f"{t:>28}" for t in targets)
+             + f" {'current/baseline':>17}" + (f" {'current/sglang':>15}" if sglang else "")]
     last = None
     for row in rows:
         name = row["measurement"] if row["measurement"] != last else ""
         last = row["measurement"]
         cells = []
-        for gw in AB_GATEWAYS:
+        for gw in targets:
             m = row[gw]["median"]
             fmt = "{:.0f}" if row["metric"] == "req/s" else "{:.3f}" \
-                if row["metric"].startswith("gw CPU") else "{:+.2f}"
+                if "CPU" in row["metric"] else "{:+.2f}"
             cells.append(f"{cell(m, fmt):>9} [{row[gw]['spread']:>15}]")
-        ratio = cell(row["ratio"], "{:.2f}")
-        lines.append(f"{name:22} {row['metric']:20} {cells[0]:>28} {cells[1]:>28} {ratio:>17}")
+        line = (f"{name:22} {row['metric']:20} " + " ".join(f"{c:>28}" for c in cells)
+                + f" {cell(row['ratio'], '{:.2f}'):>17}")
+        if sglang:
+            line += f" {cell(row.get('ratio_sglang'), '{:.2f}'):>15}"
+        lines.append(line)
     errors = {gw: sum(r["errors"][gw] for r in rows if r["metric"] == "req/s")
-              for gw in AB_GATEWAYS}
-    lines.append(f"errors: baseline {errors['baseline']}, current {errors['current']}")
+              for gw in targets}
+    lines.append("errors: " + ", ".join(f"{gw} {n}" for gw, n in errors.items()))
     return "\n".join(lines)
 
 
