@@ -4,9 +4,9 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
-Each gateway runs at its checkout's own server defaults; --internal-stream turns
-`non_streaming_ttft` on in every one (non-streaming requests streamed from the stubs and
-reassembled).
+Each gateway runs at its checkout's own server defaults; --no-internal-stream turns
+`non_streaming_ttft` off in this checkout's gateway (non-streaming requests passed through
+instead of streamed from the stubs and reassembled); a baseline keeps its own default.
 
 With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
 this one, and every repetition runs direct, baseline and current in a rotating order; the
@@ -68,7 +68,7 @@ def pin_self(core: int) -> None:
 
 
 def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
-                  internal_stream: bool = False, root: Path = REPO,
+                  internal_stream: bool = True, root: Path = REPO,
                   policy: str = "prefix_affinity",
                   admission: int | None = None) -> tuple[subprocess.Popen, str]:
     """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
@@ -77,8 +77,8 @@ def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server={"non_streaming_ttft": True}
-                                    if internal_stream else None,
+                                    server=None if internal_stream
+                                    else {"non_streaming_ttft": False},
                                     pool_settings=pool)
     return proc, url
 
@@ -240,7 +240,7 @@ def start_sglang(f: Fleet, urls: list[str]):
 
 
 @contextlib.contextmanager
-def fleet(count: int, internal_stream: bool = False,
+def fleet(count: int, internal_stream: bool = True,
           baseline_root: Path | None = None, admission: int | None = None,
           sglang: bool = False) -> Iterator[dict]:
     """Stubs and a gateway in front of them (and one from `baseline_root`, and the SGLang
@@ -251,8 +251,7 @@ def fleet(count: int, internal_stream: bool = False,
                                    admission=admission)
         out = {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
         if baseline_root is not None:
-            base, base_url = start_gateway(f, urls, "baseline", internal_stream=internal_stream,
-                                           root=baseline_root)
+            base, base_url = start_gateway(f, urls, "baseline", root=baseline_root)
             out.update(baseline=base, baseline_url=base_url)
         handle = start_sglang(f, urls) if sglang else None
         try:
@@ -299,7 +298,7 @@ def measure(args: argparse.Namespace) -> dict:
     are "baseline" and "current", else "gateway" (and "sglang" with --sglang)."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
-    with fleet(args.replicas, args.internal_stream, baseline_root,
+    with fleet(args.replicas, not args.no_internal_stream, baseline_root,
                args.admission, getattr(args, "sglang", False)) as f:
         stub_pid = f["stub"].pid
         # name: (URLs round robin, PIDs whose CPU counts, the router's PID or None).
@@ -540,9 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang", action="store_true",
                     help="also run the SGLang router (cache_aware; deploy/sglang-router/"
                          "install.sh installs it) in front of the same stubs, interleaved")
-    ap.add_argument("--internal-stream", action="store_true",
-                    help="gateway config non_streaming_ttft: true (non-streaming requests "
-                         "streamed from the replica and reassembled; default: passed through)")
+    ap.add_argument("--no-internal-stream", action="store_true",
+                    help="this checkout's gateway with non_streaming_ttft: false (plain "
+                         "non-stream forward); a baseline keeps its own default")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--baseline-root", type=Path, metavar="DIR",
                     help="also run a gateway from the checkout in DIR (its own code) and "

@@ -92,12 +92,7 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
                   profile: str = "llama-8b-h200",
                   handlers: Mapping[str, Handler] | None = None) -> AsyncIterator[Harness]:
     """Run the gateway on `config`, each replica a simulated engine of its pool's kind (or the
-    handler given for its name), until the block ends.
-
-    Non-streaming requests are streamed from the replica (`server.non_streaming_ttft`) unless
-    the config says otherwise: these tests time them, and fail them over before content, as
-    streams (the default, a plain forward, has tests of its own)."""
-    config = {**config, "server": {"non_streaming_ttft": True, **(config.get("server") or {})}}
+    handler given for its name), until the block ends."""
     cfg = parse_config(config)
     upstream = InProcessUpstream()
     harness_sims: dict[str, SimApp] = {}

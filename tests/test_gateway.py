@@ -13,7 +13,6 @@ import orjson
 import pytest
 
 from backends.upstream.inprocess import Handler, HandlerResponse
-from gateway.config import parse_config
 from gateway.stats import render_table
 from tests.conftest import eventually, tenant_prompt
 from tests.inprocess import Harness, gateway, sim_handler, sse_replica, two_pools
@@ -421,30 +420,6 @@ async def test_without_internal_streaming_the_body_passes_through_untouched() ->
         # The answer's usage is still read on the side: its prompt tokens teach the pool
         # its characters per token, as a stream's last event does.
         assert pool._cpt_samples == 1
-
-
-async def test_non_streaming_requests_are_not_streamed_upstream_by_default() -> None:
-    assert parse_config(one_replica()).server.non_streaming_ttft is False
-    seen: list[bytes] = []
-    # (The harness turns internal streaming on unless told: say what the default is.)
-    async with gateway(one_replica(non_streaming_ttft=False)) as gw:
-        real = sim_handler(gw.sims["rt-0"])
-
-        async def recording(method, target, headers, body) -> HandlerResponse:
-            if target.startswith("/v1/"):
-                seen.append(body)
-            return await real(method, target, headers, body)
-
-        gw.upstream.mount(gw.urls["rt-0"], recording)
-        body = b'{"model":"tiny","prompt":"hello there","max_tokens":3}'
-        r = await gw.http.post("/v1/completions", content=body)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        # The engine gets the client's body, byte for byte: not a stream it must serialise
-        # token by token.
-        assert seen == [body]
-        samples = await gw.metrics()
-        assert sample(samples, "gateway_requests_total", replica="rt-0", status="200") == 1
-        assert sample(samples, "gateway_inflight_requests") == 0
 
 
 async def asgi_request(app, path: str, body: bytes, leave: asyncio.Event) -> list[dict]:
