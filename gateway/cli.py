@@ -111,6 +111,9 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         http=protocol_class(limits),
         ws="none",
         access_log=access_log,
+        # X-Forwarded-For only changes the client address the access log prints: without
+        # the access log, the middleware's work on every request is for nothing.
+        proxy_headers=access_log,
         log_level=log_level,
         timeout_keep_alive=int(server.keepalive_timeout_s) + 1,
         lifespan="on",

@@ -353,7 +353,8 @@ class ServerConfig(_Strict):
     non_streaming_ttft: bool = Field(
         True,
         description="stream from the replica internally for non-streaming requests, to "
-        "measure their TTFT; the client still gets one JSON response",
+        "measure their TTFT; the client still gets one JSON response. Off: the body passes "
+        "through, which costs the engine and the gateway less CPU (docs/benchmarks.md)",
     )
     expose_docs: bool = Field(
         False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")
