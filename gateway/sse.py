@@ -121,6 +121,18 @@ class StreamWatcher:
         self._settle()
         return self._last_token_at
 
+    def whole(self, body: bytes) -> None:
+        """A non-streaming answer, relayed untouched: only its usage is read (prompt tokens
+        calibrate the pool's characters per token; completion tokens are counted)."""
+        if b'"usage"' not in body:
+            return
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self._usage = obj["usage"]
+
     def completion_tokens(self) -> int:
         usage = self.usage
         if usage and isinstance(usage.get("completion_tokens"), int):

@@ -149,6 +149,12 @@ def render_table(stats: dict[str, Any]) -> str:
     cols = ("replica", "healthy", "inflight", "requests", "errors", "est_hit", "engine_hit",
             "ttft_p50", "ttft_p95", "step")
     lines: list[str] = []
+    workers = stats.get("workers")
+    if workers:  # serve --workers N: the figures are every worker's
+        lines.append(f"workers: {len(workers)} (" + ", ".join(
+            f"pid {w['pid']}: {w['requests']} requests, {w['inflight']} in flight"
+            for w in workers) + ")")
+        lines.append("")
     for pool in stats.get("pools", []):
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(pool["decisions_by_reason"].items()))
         classes = ", ".join(f"{k}={v}" for k, v in sorted(pool["traffic_classes"].items()))

@@ -4,6 +4,10 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
+Each gateway runs at its checkout's own server defaults; --no-internal-stream turns
+`non_streaming_ttft` off in this checkout's gateway (non-streaming requests passed through
+instead of streamed from the stubs and reassembled); a baseline keeps its own default.
+
 With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
 this one, and every repetition runs direct, baseline and current in a rotating order; the
 table then puts baseline and current side by side with their ratio.
@@ -16,10 +20,17 @@ With --admission N, this checkout's gateway runs under admission control (the po
 max_inflight_per_replica N, the class's admission defaults); a baseline never does, so
 `--baseline-root . --admission N` measures what admission control costs.
 
+With --sglang, the SGLang router (policy cache_aware, from its own virtualenv: see
+loadtests/baselines/sglang_router.py) runs on the server core too, in front of the same stubs,
+and every repetition runs direct, gateway and sglang in a rotating order: the table shows each
+router's CPU per request, the stubs' CPU per request behind it and without any router, and the
+latency each adds.
+
     python -m loadtests.overhead        # the full run: about 3 minutes of measurement
     python -m loadtests.overhead --duration 1 --reps 1 --rates 200   # a quick check
     python -m loadtests.overhead --baseline-root ../old   # A/B against another checkout
     python -m loadtests.overhead --baseline-root . --admission 64   # admission's own cost
+    python -m loadtests.overhead --sglang   # against the SGLang router, in the same run
     python -m loadtests.overhead --shared-state   # shared routing state through Redis
 """
 
@@ -75,20 +86,26 @@ def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server={"non_streaming_ttft": internal_stream},
+                                    server=None if internal_stream
+                                    else {"non_streaming_ttft": False},
                                     pool_settings=pool, redis=redis)
     return proc, url
 
 
-def request_bodies(n: int = 256, stream: bool = False) -> list[bytes]:
-    """Chat requests sharing 16 system prompts (~1.5 KB), so prefix routing has work to do."""
-    systems = [f"You are assistant #{k}. " + "Follow the house style guide carefully. " * 36
-               for k in range(16)]
+def request_bodies(n: int = 256, stream: bool = False, prompt_chars: int = 2000
+                   ) -> list[bytes]:
+    """Chat requests of `prompt_chars` characters of message content (at least the
+    question's), sharing 16 system prompts, so prefix routing has work to do."""
     out = []
     for i in range(n):
+        question = f"Question {i}: what is {i} + {i}?"
+        head = f"You are assistant #{i % 16}. "
+        fill = max(0, prompt_chars - len(question) - len(head))
+        rule = "Follow the house style guide carefully. "
+        system = head + (rule * (fill // len(rule) + 1))[:fill]
         body = {"model": "tiny", "max_tokens": 16, "stream": stream,
-                "messages": [{"role": "system", "content": systems[i % 16]},
-                             {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]}
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}]}
         out.append(orjson.dumps(body))
     return out
 
@@ -102,7 +119,12 @@ class Run:
     wall: float = 0.0
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
-    cpu: float = 0.0
+    cpu_by_pid: dict[int, float] = field(default_factory=dict)
+    """CPU-seconds each measured process spent during the measurement (not the warm-up)."""
+
+    @property
+    def cpu(self) -> float:
+        return sum(self.cpu_by_pid.values())
 
     @property
     def rps(self) -> float:
@@ -160,11 +182,11 @@ async def closed_loop(urls: list[str], bodies: list[bytes], stream: bool, concur
                 i = next(counter)
                 await one(session, urls[i % len(urls)], bodies[i % len(bodies)], stream, run)
 
-        cpu0 = sum(cpu_seconds(p) for p in pids)
+        cpu0 = {p: cpu_seconds(p) for p in pids}
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         run.wall = time.perf_counter() - t0
-        run.cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        run.cpu_by_pid = {p: cpu_seconds(p) - c for p, c in cpu0.items()}
         return run
 
 
@@ -178,7 +200,7 @@ async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: fl
         run = Run()
         n = int(rate * duration)
         tasks = []
-        cpu0 = sum(cpu_seconds(p) for p in pids)
+        cpu0 = {p: cpu_seconds(p) for p in pids}
         t0 = time.perf_counter()
         for i in range(n):
             due = t0 + i / rate
@@ -189,17 +211,50 @@ async def open_loop(urls: list[str], bodies: list[bytes], stream: bool, rate: fl
                                                  bodies[i % len(bodies)], stream, run, due)))
         await asyncio.gather(*tasks)
         run.wall = time.perf_counter() - t0
-        run.cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        run.cpu_by_pid = {p: cpu_seconds(p) - c for p, c in cpu0.items()}
         return run
+
+
+@contextlib.contextmanager
+def on_core(core: int) -> Iterator[None]:
+    """This process (so every child it starts meanwhile) on one core, then back as it was: a
+    multi-threaded child then starts, and sizes its thread pool, on that core alone."""
+    try:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {core})
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def start_sglang(f: Fleet, urls: list[str]):
+    """The SGLang router (cache_aware, every other flag at its default) on the server core in
+    front of the stubs, from its own virtualenv (deploy/sglang-router/install.sh): its handle,
+    or None (and why, on stderr) when it is not installed or does not start."""
+    from loadtests.baselines.sglang_router import free_port, start_sglang_router
+
+    try:
+        with on_core(SERVER_CORE):
+            handle = start_sglang_router(urls, free_port(), "cache_aware",
+                                         log_path=f.log_dir / "sglang-router.log",
+                                         startup_timeout=120)
+    except (RuntimeError, FileNotFoundError, OSError) as exc:
+        print(f"SGLang router not measured: {exc}", file=sys.stderr, flush=True)
+        return None
+    return handle
 
 
 @contextlib.contextmanager
 def fleet(count: int, internal_stream: bool = True,
           baseline_root: Path | None = None, admission: int | None = None,
-          shared_state: bool = False) -> Iterator[dict]:
-    """Stubs and a gateway in front of them (and one from `baseline_root`, when given), all on
-    the server core; stopped on exit. `shared_state`: both gateways use one Redis, only the
-    current one shares its routing state through it."""
+          sglang: bool = False, shared_state: bool = False) -> Iterator[dict]:
+    """Stubs and a gateway in front of them (and one from `baseline_root`, and the SGLang
+    router, when asked), all on the server core; stopped on exit. `shared_state`: both
+    gateways use one Redis, only the current one shares its routing state through it."""
     with Fleet() as f:
         stub, urls = f.start_stubs(count, core=SERVER_CORE)
         redis_url = f.start_redis() if shared_state else None
@@ -219,11 +274,18 @@ def fleet(count: int, internal_stream: bool = True,
             out["peer_url"] = peer_url
         if baseline_root is not None:
             base, base_url = start_gateway(
-                f, urls, "baseline", internal_stream=internal_stream, root=baseline_root,
+                f, urls, "baseline", root=baseline_root,
                 redis={"url": redis_url, "key_prefix": "baseline:",
                        "shared_routing": {"enabled": False}} if redis_url else None)
             out.update(baseline=base, baseline_url=base_url)
-        yield out
+        handle = start_sglang(f, urls) if sglang else None
+        try:
+            if handle is not None:
+                out.update(sglang=handle, sglang_url=handle.url)
+            yield out
+        finally:
+            if handle is not None:
+                handle.stop()
 
 
 def rotation(reps: int, variants: list[str]) -> Iterator[tuple[int, str]]:
@@ -241,12 +303,16 @@ def interleave(reps: int, variants: list[str], fn: Callable[[str, int], None]) -
         fn(v, r)
 
 
-def record(run: Run, gateway_cpu_s: float | None, stream: bool) -> dict:
-    """One measurement as the results keep it (milliseconds; TTFTs only for streams)."""
+def record(run: Run, gateway_cpu_s: float | None, stream: bool,
+           stub_cpu_s: float | None = None) -> dict:
+    """One measurement as the results keep it (milliseconds; TTFTs only for streams).
+    `gateway_cpu_s` is the router's CPU time (None for direct), `stub_cpu_s` the stubs'."""
+    per = 1000 / max(1, run.ok)
     return {"rps": run.rps, "ok": run.ok, "errors": run.errors,
-            "cpu_ms_per_req": 1000 * run.cpu / max(1, run.ok),
-            "gateway_cpu_ms_per_req": 1000 * gateway_cpu_s / max(1, run.ok)
+            "cpu_ms_per_req": per * run.cpu,
+            "gateway_cpu_ms_per_req": per * gateway_cpu_s
             if gateway_cpu_s is not None else 0.0,
+            "stub_cpu_ms_per_req": per * stub_cpu_s if stub_cpu_s is not None else None,
             "p50_ms": 1000 * run.pct(0.5), "p99_ms": 1000 * run.pct(0.99),
             "ttft_p50_ms": 1000 * run.pct(0.5, True) if stream else None,
             "ttft_p99_ms": 1000 * run.pct(0.99, True) if stream else None}
@@ -254,18 +320,21 @@ def record(run: Run, gateway_cpu_s: float | None, stream: bool) -> dict:
 
 def measure(args: argparse.Namespace) -> dict:
     """Every measurement of every target, interleaved; with a baseline the gateway targets
-    are "baseline" and "current", else "gateway"."""
+    are "baseline" and "current", else "gateway" (and "sglang" with --sglang)."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
     with fleet(args.replicas, not args.no_internal_stream, baseline_root,
-               args.admission, args.shared_state) as f:
+               args.admission, getattr(args, "sglang", False),
+               getattr(args, "shared_state", False)) as f:
         stub_pid = f["stub"].pid
-        # name: (URLs round robin, PIDs whose CPU counts, the gateway's PID or None).
+        # name: (URLs round robin, PIDs whose CPU counts, the router's PID or None).
         # Direct: the load generator talks to the stubs itself, round robin over them.
         targets: dict[str, tuple[list[str], list[int], int | None]] = {
             "direct": ([u + "/v1/chat/completions" for u in f["urls"]], [stub_pid], None)}
         gateways = [("baseline", "baseline"), ("current", "gateway")] if baseline_root \
             else [("gateway", "gateway")]
+        if "sglang" in f:
+            gateways.append(("sglang", "sglang"))
         for name, key in gateways:
             pid = f[key].pid
             targets[name] = ([f[f"{key}_url"] + "/v1/chat/completions"], [pid, stub_pid], pid)
@@ -273,13 +342,12 @@ def measure(args: argparse.Namespace) -> dict:
         def run_one(fn, target: str, stream: bool, bodies: list[bytes],
                     *rest) -> tuple[Run, dict]:
             urls, pids, gw_pid = targets[target]
-            g0 = cpu_seconds(gw_pid) if gw_pid else 0.0
             run = _run_sync(fn, urls, bodies, stream, *rest, pids)
-            gcpu = cpu_seconds(gw_pid) - g0 if gw_pid else None
-            return run, record(run, gcpu, stream)
+            gcpu = run.cpu_by_pid[gw_pid] if gw_pid else None
+            return run, record(run, gcpu, stream, run.cpu_by_pid[stub_pid])
 
         for stream in (False, True):
-            bodies = request_bodies(stream=stream)
+            bodies = request_bodies(stream=stream, prompt_chars=args.prompt_chars)
             mode = "stream" if stream else "non-stream"
 
             def run_closed(target: str, _r: int, stream: bool = stream, bodies=bodies,
@@ -288,7 +356,9 @@ def measure(args: argparse.Namespace) -> dict:
                                    args.duration)
                 results["closed"].setdefault(mode, {}).setdefault(target, []).append(rec)
                 print(f"  closed c={args.concurrency} {mode:10} {target:8} {run.rps:8.0f} req/s"
-                      f"  errors {run.errors}", file=sys.stderr, flush=True)
+                      f"  router {rec['gateway_cpu_ms_per_req']:.3f} stubs "
+                      f"{rec['stub_cpu_ms_per_req']:.3f} CPU-ms/req  errors {run.errors}",
+                      file=sys.stderr, flush=True)
 
             interleave(args.reps, list(targets), run_closed)
             for rate in args.rates:
@@ -334,60 +404,96 @@ def _run_sync(fn, urls: list[str], bodies: list[bytes], stream: bool, *rest) -> 
     return asyncio.run(fn(urls, bodies, stream, *rest))
 
 
+def _routers(by: dict) -> list[str]:
+    return [t for t in by if t != "direct"]
+
+
 def summarise(res: dict) -> dict:
+    """Per measurement and router (gateway, sglang): medians over repetitions with their
+    [min..max]; added latency is router minus direct, paired by repetition."""
     out: dict = {"closed": {}, "open": {}}
     for mode, by in res["closed"].items():
-        d, g = by["direct"], by["gateway"]
-        out["closed"][mode] = {
-            "direct_rps": median([x["rps"] for x in d]),
-            "direct_rps_spread": span([x["rps"] for x in d]),
-            "gateway_rps": median([x["rps"] for x in g]),
-            "gateway_rps_spread": span([x["rps"] for x in g]),
-            "gateway_cpu_ms_per_req": median([x["gateway_cpu_ms_per_req"] for x in g]),
-            "gateway_cpu_ms_spread": span([x["gateway_cpu_ms_per_req"] for x in g]),
-            "stub_cpu_ms_per_req_direct": median([x["cpu_ms_per_req"] for x in d]),
-            "errors": sum(x["errors"] for x in d + g),
-        }
+        d = by["direct"]
+        direct_stubs = [x["stub_cpu_ms_per_req"] for x in d]
+        row: dict = {"direct_rps": median([x["rps"] for x in d]),
+                     "direct_rps_spread": span([x["rps"] for x in d]),
+                     "stub_cpu_ms_per_req_direct": median(direct_stubs),
+                     "stub_cpu_ms_direct_spread": span(direct_stubs),
+                     "errors": sum(x["errors"] for x in d), "routers": {}}
+        for router in _routers(by):
+            g = by[router]
+            stubs = [x["stub_cpu_ms_per_req"] for x in g if x["stub_cpu_ms_per_req"] is not None]
+            row["routers"][router] = {
+                "rps": median([x["rps"] for x in g]), "rps_spread": span([x["rps"] for x in g]),
+                "cpu_ms_per_req": median([x["gateway_cpu_ms_per_req"] for x in g]),
+                "cpu_ms_spread": span([x["gateway_cpu_ms_per_req"] for x in g]),
+                "stub_cpu_ms_per_req": median(stubs), "stub_cpu_ms_spread": span(stubs),
+                "errors": sum(x["errors"] for x in g)}
+            row["errors"] += row["routers"][router]["errors"]
+        out["closed"][mode] = row
     for key, by in res["open"].items():
-        d, g = by["direct"], by["gateway"]
-        row = {}
-        for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
-            if d[0][metric] is None:
-                continue
-            dm, gm = median([x[metric] for x in d]), median([x[metric] for x in g])
-            added = [gx[metric] - dx[metric] for dx, gx in zip(d, g, strict=False)]
-            row[metric] = {"direct": dm, "gateway": gm, "added": median(added),
-                           "added_spread": span(added)}
-        row["gateway_cpu_ms_per_req"] = median([x["gateway_cpu_ms_per_req"] for x in g])
-        row["errors"] = sum(x["errors"] for x in d + g)
+        d = by["direct"]
+        row = {"errors": sum(x["errors"] for x in d), "routers": {}}
+        for router in _routers(by):
+            g = by[router]
+            r: dict = {}
+            for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                if d[0][metric] is None:
+                    continue
+                added = _added(d, g, metric)
+                r[metric] = {"direct": median([x[metric] for x in d]),
+                             "router": median([x[metric] for x in g]),
+                             "added": median(added), "added_spread": span(added)}
+            r["cpu_ms_per_req"] = median([x["gateway_cpu_ms_per_req"] for x in g])
+            r["cpu_ms_spread"] = span([x["gateway_cpu_ms_per_req"] for x in g])
+            r["errors"] = sum(x["errors"] for x in g)
+            row["errors"] += r["errors"]
+            row["routers"][router] = r
         out["open"][key] = row
     return out
 
 
-def print_table(s: dict, args: argparse.Namespace) -> None:
+def format_table(s: dict, args: argparse.Namespace) -> str:
+    """The summary as text: closed loop (CPU per request of each router and of the stubs
+    behind it), then open loop (latency each router adds)."""
+    lines = []
     if getattr(args, "admission", None):
-        print(f"\ngateway under admission control, max_inflight_per_replica {args.admission}")
-    print(f"\nclosed loop, c={args.concurrency}, {args.duration:g}s x {args.reps} reps "
-          "(median, [min..max])")
-    print(f"{'mode':11} {'direct req/s':>22} {'gateway req/s':>22} {'gw CPU-ms/req':>20}"
-          f" {'req per gw CPU-s':>17}")
+        lines.append(f"\ngateway under admission control, max_inflight_per_replica "
+                     f"{args.admission}")
+    lines.append(f"\nclosed loop, c={args.concurrency}, {args.duration:g}s x {args.reps} reps, "
+                 f"{args.prompt_chars}-character prompts (median [min..max])")
+    lines.append(f"{'mode':11} {'target':8} {'req/s':>16} {'router CPU-ms/req':>24} "
+                 f"{'stubs CPU-ms/req':>24} {'vs sglang':>10}")
     for mode, r in s["closed"].items():
-        print(f"{mode:11} {r['direct_rps']:8.0f} [{r['direct_rps_spread']:>11}] "
-              f"{r['gateway_rps']:8.0f} [{r['gateway_rps_spread']:>11}] "
-              f"{r['gateway_cpu_ms_per_req']:6.3f} [{r['gateway_cpu_ms_spread']:>11}] "
-              f"{1000 / r['gateway_cpu_ms_per_req'] if r['gateway_cpu_ms_per_req'] else 0:17.0f}")
-    print(f"\nopen loop, {args.duration:g}s x {args.reps} reps: latency ms (median over reps;"
-          " added = gateway - direct, per interleaved pair)")
-    print(f"{'mode@rate':18} {'metric':12} {'direct':>8} {'gateway':>8} {'added':>8} "
-          f"{'added spread':>16} {'gw CPU-ms/req':>14}")
+        lines.append(f"{mode:11} {'direct':8} {r['direct_rps']:6.0f} "
+                     f"[{r['direct_rps_spread']:>9}] {'-':>24} "
+                     f"{r['stub_cpu_ms_per_req_direct']:6.3f} "
+                     f"[{r['stub_cpu_ms_direct_spread']:>15}] {'':>10}")
+        sgl = r["routers"].get("sglang")
+        for router, g in r["routers"].items():
+            ratio = cell(g["cpu_ms_per_req"] / sgl["cpu_ms_per_req"]
+                         if sgl and sgl["cpu_ms_per_req"] and router != "sglang" else None,
+                         "{:.2f}x")
+            lines.append(f"{'':11} {router:8} {g['rps']:6.0f} [{g['rps_spread']:>9}] "
+                         f"{g['cpu_ms_per_req']:6.3f} [{g['cpu_ms_spread']:>15}] "
+                         f"{cell(g['stub_cpu_ms_per_req'], '{:6.3f}')} "
+                         f"[{g['stub_cpu_ms_spread']:>15}] {ratio:>10}")
+    lines.append(f"\nopen loop, {args.duration:g}s x {args.reps} reps: latency ms (median over "
+                 "reps; added = router - direct, per interleaved repetition)")
+    lines.append(f"{'mode@rate':16} {'metric':12} {'router':8} {'direct':>8} {'router':>8} "
+                 f"{'added':>8} {'added spread':>16} {'CPU-ms/req':>11}")
     for key, row in s["open"].items():
-        for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
-            if metric not in row:
-                continue
-            m = row[metric]
-            print(f"{key:18} {metric:12} {m['direct']:8.2f} {m['gateway']:8.2f} "
-                  f"{m['added']:+8.2f} {m['added_spread']:>16} "
-                  f"{row['gateway_cpu_ms_per_req']:14.3f}")
+        for router, g in row["routers"].items():
+            for metric in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                if metric not in g:
+                    continue
+                m = g[metric]
+                lines.append(f"{key:16} {metric:12} {router:8} {m['direct']:8.2f} "
+                             f"{m['router']:8.2f} {m['added']:+8.2f} {m['added_spread']:>16} "
+                             f"{g['cpu_ms_per_req']:11.3f}")
+    lines.append(f"errors: {sum(r['errors'] for r in s['closed'].values())} closed loop, "
+                 f"{sum(r['errors'] for r in s['open'].values())} open loop")
+    return "\n".join(lines)
 
 
 AB_GATEWAYS = ("baseline", "current")
@@ -400,13 +506,15 @@ def _added(direct: list[dict], gw: list[dict], metric: str) -> list[float]:
 
 def summarise_ab(res: dict) -> list[dict]:
     """One row per (measurement, metric): the median over repetitions and the [min..max] of
-    each gateway. Added latency is over direct, paired by repetition; streams count TTFT."""
+    each gateway (and of the SGLang router, when it ran). Added latency is over direct, paired
+    by repetition; streams count TTFT."""
     rows: list[dict] = []
     sections = [(f"closed {mode}", by) for mode, by in res["closed"].items()]
     sections += [(f"open {key}/s", by) for key, by in res["open"].items()]
     for name, by in sections:
         stream = by["direct"][0]["ttft_p50_ms"] is not None
         lat = "TTFT" if stream else "latency"
+        targets = [t for t in (*AB_GATEWAYS, "sglang") if t in by]
         metrics: list[tuple[str, Callable[[list[dict], list[dict]], list[float]]]] = [
             ("req/s", lambda d, g: [x["rps"] for x in g]),
             (f"added {lat} p50 ms", lambda d, g, m=("ttft_p50_ms" if stream else "p50_ms"):
@@ -415,14 +523,22 @@ def summarise_ab(res: dict) -> list[dict]:
                 _added(d, g, m)),
             ("gw CPU-ms/req", lambda d, g: [x["gateway_cpu_ms_per_req"] for x in g]),
         ]
-        errors = {gw: sum(x["errors"] for x in by[gw]) for gw in AB_GATEWAYS}
+        if by["direct"][0].get("stub_cpu_ms_per_req") is not None:
+            metrics.append(("stubs CPU-ms/req", lambda d, g: [x["stub_cpu_ms_per_req"]
+                                                              for x in g]))
+            metrics.append(("stubs direct CPU-ms", lambda d, g: [x["stub_cpu_ms_per_req"]
+                                                                 for x in d]))
+        errors = {gw: sum(x["errors"] for x in by[gw]) for gw in targets}
         for label, values in metrics:
             row: dict = {"measurement": name, "metric": label, "errors": errors}
-            for gw in AB_GATEWAYS:
+            for gw in targets:
                 xs = values(by["direct"], by[gw])
                 row[gw] = {"median": median(xs), "spread": span(xs)}
             b, c = row["baseline"]["median"], row["current"]["median"]
             row["ratio"] = c / b if b and b > 0 and c is not None else None
+            if "sglang" in row:
+                g = row["sglang"]["median"]
+                row["ratio_sglang"] = c / g if g and g > 0 and c is not None else None
             rows.append(row)
     return rows
 
@@ -430,30 +546,37 @@ def summarise_ab(res: dict) -> list[dict]:
 def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
     current = (f"current gateway (admission control, max_inflight_per_replica "
                f"{args.admission})" if getattr(args, "admission", None) else "current gateway")
+    sglang = any("sglang" in row for row in rows)
+    targets = [*AB_GATEWAYS, "sglang"] if sglang else list(AB_GATEWAYS)
     base = f"baseline ({args.baseline_root})"
     if getattr(args, "shared_state", False):
         base, current = ("baseline (Redis, routing state not shared)",
                          "current (Redis, routing state shared)")
-    lines = [f"\n{base} vs {current}; closed loop c="
+    lines = [f"\n{base} vs {current}"
+             f"{' vs the SGLang router' if sglang else ''}; closed loop c="
              f"{args.concurrency}, open loop at each rate; {args.duration:g}s x {args.reps} reps "
              "interleaved with direct (median [min..max]; added = gateway - direct per rep)",
-             f"{'measurement':22} {'metric':20} {'baseline':>28} {'current':>28} "
-             f"{'current/baseline':>17}"]
+             f"{'measurement':22} {'metric':20} "
+             + " ".join(f"{t:>28}" for t in targets)
+             + f" {'current/baseline':>17}" + (f" {'current/sglang':>15}" if sglang else "")]
     last = None
     for row in rows:
         name = row["measurement"] if row["measurement"] != last else ""
         last = row["measurement"]
         cells = []
-        for gw in AB_GATEWAYS:
+        for gw in targets:
             m = row[gw]["median"]
             fmt = "{:.0f}" if row["metric"] == "req/s" else "{:.3f}" \
-                if row["metric"].startswith("gw CPU") else "{:+.2f}"
+                if "CPU" in row["metric"] else "{:+.2f}"
             cells.append(f"{cell(m, fmt):>9} [{row[gw]['spread']:>15}]")
-        ratio = cell(row["ratio"], "{:.2f}")
-        lines.append(f"{name:22} {row['metric']:20} {cells[0]:>28} {cells[1]:>28} {ratio:>17}")
+        line = (f"{name:22} {row['metric']:20} " + " ".join(f"{c:>28}" for c in cells)
+                + f" {cell(row['ratio'], '{:.2f}'):>17}")
+        if sglang:
+            line += f" {cell(row.get('ratio_sglang'), '{:.2f}'):>15}"
+        lines.append(line)
     errors = {gw: sum(r["errors"][gw] for r in rows if r["metric"] == "req/s")
-              for gw in AB_GATEWAYS}
-    lines.append(f"errors: baseline {errors['baseline']}, current {errors['current']}")
+              for gw in targets}
+    lines.append("errors: " + ", ".join(f"{gw} {n}" for gw, n in errors.items()))
     lag = getattr(args, "lag", None)
     if lag:
         shown = ", ".join(f"{k[:-3]} <= {v:g} ms" for k, v in lag.items()
@@ -471,8 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-chars", type=int, default=2000,
+                    help="characters of message content per request (default 2000)")
+    ap.add_argument("--sglang", action="store_true",
+                    help="also run the SGLang router (cache_aware; deploy/sglang-router/"
+                         "install.sh installs it) in front of the same stubs, interleaved")
     ap.add_argument("--no-internal-stream", action="store_true",
-                    help="gateway config non_streaming_ttft: false (plain non-stream forward)")
+                    help="this checkout's gateway with non_streaming_ttft: false (plain "
+                         "non-stream forward); a baseline keeps its own default")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--baseline-root", type=Path, metavar="DIR",
                     help="also run a gateway from the checkout in DIR (its own code) and "
@@ -509,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"summary": s, "raw": res}, indent=1, default=str))
     else:
-        print_table(s, args)
+        print(format_table(s, args))
     return 0
 
 

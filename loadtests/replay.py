@@ -1,14 +1,18 @@
 """Replay a request trace against the gateway (or any OpenAI-compatible router) over HTTP.
 
 Without --url it starts `--replicas N` simulated replicas (one `python -m backends.sim --count N`
-process) and a gateway in front of them, replays, and stops both. With --url it drives a running
-router and reads the replicas named by --replica-urls, so another router can be measured in front
-of the same replicas. Prompts come from loadtests.traces.prompt_text; arrivals follow the trace's
-timestamps divided by --speedup (open loop). The report's cache and balance figures come from the
-replicas' own Prometheus /metrics, never from the router, so they mean the same for every router.
+process) and `--gateways G` gateway processes on one config in front of them (with `--redis`,
+sharing a redis-server it starts), replays, and stops them all. With --url it drives running
+routers (a comma-separated list) and reads the replicas named by --replica-urls, so another
+router can be measured in front of the same replicas. Request i goes to router i mod G, as a
+round-robin load balancer would send it. Prompts come from loadtests.traces.prompt_text; arrivals
+follow the trace's timestamps divided by --speedup (open loop). The report's cache and balance
+figures come from the replicas' own Prometheus /metrics, never from the router, so they mean the
+same for every router; `agreement` comes from the `x-gateway-replica` response header.
 
     python -m loadtests.replay --trace data/traces/synthetic_trace.jsonl \
         --replicas 8 --limit 1000 --speedup 10 --json
+    python -m loadtests.replay --workload tenants --replicas 8 --speedup 2 --gateways 3 --json
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,17 +32,21 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway import processes
 from gateway.config import RoutingSettings
+from gateway.defaults import one_pool_config
 from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import HITS, QUERIES, RUNNING, SUCCESS, WAITING, scrape_all
+from loadtests.overhead import cpu_seconds as process_cpu_seconds
 from loadtests.report import emit_json, markdown_table
-from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.settings import add_routing_settings, add_workload_param, key_value
 from loadtests.sse import data_events
 from loadtests.stats import max_over_mean, percentile
 from loadtests.traces import (
     BLOCK_TOKENS,
     SYNTHETIC,
     TraceRequest,
+    agreement,
     ideal_hit_ratio,
     load_requests,
     prompt_text,
@@ -52,8 +61,11 @@ SAMPLE_INTERVAL_S = 0.5
 REQUIRED_KEYS = (
     "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
     "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance", "prefill_imbalance",
-    "peak_inflight_imbalance", "policy",
+    "peak_inflight_imbalance", "policy", "gateways", "agreement", "warm_requests",
 )  # fmt: skip
+# The response header naming the replica that served a request (the gateway's; routers
+# without it leave `agreement` empty).
+REPLICA_HEADER = "x-gateway-replica"
 
 _WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
 
@@ -74,6 +86,7 @@ class Result:
     lag_s: float = 0.0
     tokens: int = 0
     error: str = ""
+    replica: str | None = None
 
 
 @dataclass
@@ -110,6 +123,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                 text = (await resp.text())[:200]
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {text}")
+            replica = resp.headers.get(REPLICA_HEADER)
             async for data in data_events(resp.content):
                 if b'"completion_tokens"' in data:
                     with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
@@ -138,7 +152,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
         return Result(False, latency_s=end - start, lag_s=lag_s, error="no content in stream")
     tokens = usage_tokens or events
     tpot = (last - first) / (tokens - 1) if tokens > 1 and last is not None else None
-    return Result(True, first - start, tpot, end - start, lag_s, tokens)
+    return Result(True, first - start, tpot, end - start, lag_s, tokens, replica=replica)
 
 
 async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: asyncio.Event,
@@ -162,17 +176,30 @@ class RunData:
     before: list[dict[str, float] | None] = field(default_factory=list)
     after: list[dict[str, float] | None] = field(default_factory=list)
     inflight_ratios: list[float] = field(default_factory=list)
+    gateways: int = 1  # results[i] was sent to router i mod gateways
 
 
-async def replay(url: str, replica_urls: Sequence[str], requests: Sequence[TraceRequest],
-                 opts: ReplayOptions) -> RunData:
-    """Send every request at its (scaled) time, open loop, and read the replicas around it."""
-    endpoint = url.rstrip("/") + "/v1/completions"
+def router_urls(text: str) -> list[str]:
+    """`--url`'s comma-separated router base URLs."""
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
+                 requests: Sequence[TraceRequest], opts: ReplayOptions) -> RunData:
+    """Send every request at its (scaled) time, open loop, and read the replicas around it.
+
+    `url` is one router or several: request i goes to router i mod len(url), as a round-robin
+    load balancer in front of them would send it.
+    """
+    urls = router_urls(url) if isinstance(url, str) else list(url)
+    if not urls:
+        raise ValueError("no router URL")
+    endpoints = [u.rstrip("/") + "/v1/completions" for u in urls]
     # limit=0: no cap on connections, so the pool never delays an open-loop arrival.
     connector = aiohttp.TCPConnector(limit=opts.concurrency_limit or 0, ttl_dns_cache=300,
                                      keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s, sock_connect=10)
-    data = RunData()
+    data = RunData(gateways=len(endpoints))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
             aiohttp.ClientSession() as metrics_session:
         data.before = await scrape_all(metrics_session, replica_urls, _WANTED)
@@ -184,18 +211,18 @@ async def replay(url: str, replica_urls: Sequence[str], requests: Sequence[Trace
         t0 = loop.time() + 0.2
         wall0 = time.perf_counter()
 
-        async def fire(req: TraceRequest) -> Result:
+        async def fire(endpoint: str, req: TraceRequest) -> Result:
             if sem is None:
                 return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
             async with sem:
                 return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
 
         tasks = []
-        for req in requests:
+        for i, req in enumerate(requests):
             delay = t0 + req.timestamp_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(fire(req)))
+            tasks.append(asyncio.create_task(fire(endpoints[i % len(endpoints)], req)))
         data.results = list(await asyncio.gather(*tasks))
         data.duration_s = time.perf_counter() - wall0
         stop.set()
@@ -250,6 +277,12 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> d
         "output_tokens": sum(r.tokens for r in ok),
         "input_tokens": sum(r.input_tokens for r in requests),
     }
+    agreed, warm = agreement(requests, [r.replica if r.ok else None for r in data.results])
+    n = max(1, data.gateways)
+    out.update(
+        gateways=data.gateways, agreement=agreed, warm_requests=warm,
+        requests_per_gateway=[len(range(g, len(data.results), n)) for g in range(n)],
+        errors_per_gateway=[sum(not r.ok for r in data.results[g::n]) for g in range(n)])
     if errors:
         out["first_errors"] = errors[:3]
     if not complete:
@@ -271,25 +304,69 @@ def render_table(res: dict[str, Any]) -> str:
     rows = [(k, _fmt(res.get(k))) for k in (
         "policy", "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
-        "prefill_imbalance", "peak_inflight_imbalance", "latency_p50_s", "send_lag_p99_s",
-        "requests_per_replica")]
+        "prefill_imbalance", "peak_inflight_imbalance", "gateways", "agreement", "warm_requests",
+        "latency_p50_s", "send_lag_p99_s", "requests_per_replica", "requests_per_gateway",
+        "gateway_cpu_ms_per_request")]
     return markdown_table(["metric", "value"], rows)
 
 
 # -- the gateway in front of simulated replicas ------------------------------------------
 
 
-def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
-                  routing: dict[str, Any] | None = None, name: str = "gateway",
-                  ) -> tuple[str, subprocess.Popen]:
-    """A gateway with one pool of the replicas; the policy left out means the gateway's."""
+def gateway_config(replica_urls: Sequence[str], policy: str | None,
+                   routing: dict[str, Any] | None = None,
+                   redis: dict[str, Any] | None = None, workers: int = 1) -> dict[str, Any]:
+    """The configuration of replay's gateways: one pool of the replicas (the policy left out
+    means the gateway's), with `redis` that `redis` section, with `workers` above one its
+    server.workers; port 0 (each gateway gets its own)."""
     routing = {**(routing or {}), **({"policy": policy} if policy else {})}
     # Lenient health checks: with sims, gateway and client sharing a few cores, a starved
     # event loop can fail 2 s checks for every replica at once (a 32-replica run got 216
     # 503s); this measures routing, not failure detection.
-    return fleet.start_gateway(replica_urls, name, pool="replay", models=(MODEL,),
-                               replica_prefix="sim", routing=routing or None,
-                               health={"timeout_s": 10.0, "failure_threshold": 3})
+    cfg = one_pool_config(list(replica_urls), 0, pool="replay", models=(MODEL,),
+                          replica_prefix="sim", routing=routing or None,
+                          health={"timeout_s": 10.0, "failure_threshold": 3},
+                          server={"workers": workers} if workers > 1 else None)
+    if redis:
+        cfg["redis"] = dict(redis)
+    return cfg
+
+
+def redis_section(url: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gateways' `redis` section for one run: `url`, a key prefix of the run's own (so no
+    state of an earlier run in the same Redis is read), and `extra` keys (which may name
+    another `key_prefix`)."""
+    return {"url": url, "key_prefix": f"replay-{uuid.uuid4().hex[:10]}:", **(extra or {})}
+
+
+def start_gateways(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
+                   routing: dict[str, Any] | None = None, count: int = 1,
+                   redis: dict[str, Any] | None = None, name: str = "gateway",
+                   workers: int = 1) -> list[tuple[str, subprocess.Popen]]:
+    """`count` gateway processes on one configuration (`gateway_config`), each on a port of
+    its own, once every one answers /ready: [(URL, process)]. Their configs and logs are
+    `NAME-I.yaml` and `NAME-I.log` in the fleet's log directory (`NAME.*` for one)."""
+    cfg = gateway_config(replica_urls, policy, routing, redis, workers)
+    out = []
+    for i, port in enumerate(processes.free_ports(count)):
+        one = {**cfg, "server": {**cfg["server"], "port": port}}
+        out.append(fleet.start_gateway_config(one, name if count == 1 else f"{name}-{i}"))
+    return out
+
+
+def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
+                  routing: dict[str, Any] | None = None, name: str = "gateway",
+                  ) -> tuple[str, subprocess.Popen]:
+    """One gateway with one pool of the replicas; the policy left out means the gateway's."""
+    return start_gateways(fleet, replica_urls, policy, routing, name=name)[0]
+
+
+def cpu_seconds(procs: Sequence[subprocess.Popen]) -> float | None:
+    """User + system CPU the processes have used so far; None if one has gone."""
+    try:
+        return sum(process_cpu_seconds(p.pid) for p in procs)
+    except OSError:
+        return None
 
 
 def default_policy() -> str:
@@ -320,7 +397,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"simulated latency profile (default {DEFAULT_PROFILE})")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply simulated latencies (0.1 = ten times faster engines)")
-    p.add_argument("--url", help="drive this running OpenAI-compatible router instead")
+    p.add_argument("--gateway-workers", type=int, default=1, help="server.workers of the "
+                   "gateway replay starts (serve --workers): routing state is per worker")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes to start on one config, request i to gateway i mod "
+                   "N as a round-robin load balancer would send it (without --url; default 1)")
+    redis = p.add_mutually_exclusive_group()
+    redis.add_argument("--redis", action="store_true",
+                       help="start a redis-server on a free port and give the gateways its URL "
+                       "(config `redis: {url: ...}`)")
+    redis.add_argument("--redis-url", help="give the gateways this Redis (config `redis.url`)")
+    p.add_argument("--redis-set", action="append", default=[], metavar="KEY=VALUE",
+                   type=key_value, help="another key of the gateways' `redis` section "
+                   "(repeatable; with --redis or --redis-url)")
+    p.add_argument("--url", help="drive these running OpenAI-compatible routers instead "
+                   "(comma-separated: request i to router i mod N)")
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
     add_routing_settings(p, "; without --url")
@@ -343,32 +434,58 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet()
     try:
         with sigterm_as_interrupt():
+            gateways: list[subprocess.Popen] = []
+            redis_url = None
             if args.url:
                 if args.settings:
                     raise SystemExit("replay: --set configures the gateway replay starts; "
                                      "not with --url")
-                url = args.url
-                replica_urls = [u.strip() for u in args.replica_urls.split(",") if u.strip()]
+                if args.gateways != 1 or args.redis or args.redis_url or args.redis_set:
+                    raise SystemExit("replay: --gateways and --redis* configure the gateways "
+                                     "replay starts; not with --url")
+                urls = router_urls(args.url)
+                replica_urls = router_urls(args.replica_urls)
                 policy = args.label or "external"
             else:
                 if args.replica_urls:
                     raise SystemExit("replay: --replica-urls needs --url")
+                if args.gateways < 1:
+                    raise SystemExit("replay: --gateways must be at least 1")
+                if args.redis_set and not (args.redis or args.redis_url):
+                    raise SystemExit("replay: --redis-set needs --redis or --redis-url")
+                redis_url = fleet.start_redis() if args.redis else args.redis_url
+                redis = redis_section(redis_url, dict(args.redis_set)) if redis_url else None
                 replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
                                                 args.profile, args.time_scale)
-                url, _ = start_gateway(fleet, replica_urls, args.policy, dict(args.settings))
+                started = start_gateways(fleet, replica_urls, args.policy, dict(args.settings),
+                                         args.gateways, redis,
+                                         workers=args.gateway_workers)
+                urls = [u for u, _ in started]
+                gateways = [proc for _, proc in started]
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
-                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and a "
-                    f"gateway ({policy}) at {url}; logs in {fleet.log_dir}")
+                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and "
+                    f"{len(urls)} gateway(s) ({policy}"
+                    f"{f', Redis {redis_url}' if redis_url else ''}) at {', '.join(urls)}; "
+                    f"logs in {fleet.log_dir}")
+            if not urls:
+                raise SystemExit("replay: --url names no router")
             span = requests[-1].timestamp_s
-            log(f"replaying {len(requests)} requests over {span:.1f} s to {url}")
+            log(f"replaying {len(requests)} requests over {span:.1f} s to {', '.join(urls)}")
             opts = ReplayOptions(args.max_output, args.concurrency_limit, args.timeout,
                                  args.model, policy)
-            data = run_async(replay(url, replica_urls, requests, opts))
+            cpu_before = cpu_seconds(gateways) if gateways else None
+            data = run_async(replay(urls, replica_urls, requests, opts))
+            cpu_after = cpu_seconds(gateways) if gateways else None
             res = summarize(data, requests, policy)
             if not args.url:
                 res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
-                           profile=args.profile, time_scale=args.time_scale)
+                           profile=args.profile, time_scale=args.time_scale,
+                           redis=redis_url is not None, log_dir=str(fleet.log_dir))
+                if cpu_before is not None and cpu_after is not None:
+                    # Every gateway process's CPU over the replay (health checks included).
+                    res["gateway_cpu_ms_per_request"] = (
+                        1000 * (cpu_after - cpu_before) / len(requests))
             res.update(speedup=args.speedup, max_output=args.max_output,
                        source=args.workload or os.path.basename(str(args.trace).rstrip("/")))
             print(render_table(res), end="", flush=True)

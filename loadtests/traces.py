@@ -13,7 +13,7 @@ import csv
 import inspect
 import json
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -215,6 +215,47 @@ def ideal_hit_ratio(requests: Iterable[TraceRequest]) -> float:
                 matching = False
         seen.update(req.hash_ids)
     return hit / total if total else 0.0
+
+
+def agreement(requests: Sequence[TraceRequest],
+              replicas: Sequence[str | None]) -> tuple[float | None, int]:
+    """How often a warm request went to its prefix's home replica: (agreement, warm requests).
+
+    `replicas[i]` is the replica that served `requests[i]` (None: unknown, or the request
+    failed; such a request is neither counted nor anyone's home). In trace order, a request is
+    warm when its first block was in an earlier answered request; its longest shared prefix is
+    the longest run of leading blocks equal to an earlier answered request's, and its home is
+    the replica that served the most recent earlier request sharing that prefix. Agreement =
+    warm requests served by their home / warm requests; None when no request is warm.
+
+    Prefixes are compared as whole sequences of block ids, so ids need not be chained.
+    """
+    if len(requests) != len(replicas):
+        raise ValueError(f"{len(requests)} requests but {len(replicas)} replicas")
+    # Each prefix (a hash of its block ids, extended block by block) -> the replica of the
+    # most recent answered request that began with it.
+    home_of: dict[int, str] = {}
+    warm = agreed = 0
+    for req, served in zip(requests, replicas, strict=True):
+        if served is None:
+            continue
+        keys: list[int] = []
+        key, home, matching = 0, None, True
+        for h in req.hash_ids:
+            key = hash((key, h))
+            keys.append(key)
+            if matching:
+                found = home_of.get(key)
+                if found is None:
+                    matching = False
+                else:
+                    home = found
+        if home is not None:
+            warm += 1
+            agreed += served == home
+        for k in keys:
+            home_of[k] = served
+    return (agreed / warm if warm else None), warm
 
 
 def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:

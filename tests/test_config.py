@@ -211,3 +211,39 @@ def test_the_redis_url_comes_from_the_flag_then_the_environment_then_the_file(
                            str(ROOT / "deploy" / "examples" / "gateway.yaml"), "--check",
                            "--redis-url", "localhost:6379")
     assert code == 2 and "invalid Redis URL 'localhost:6379'" in err
+
+
+def test_serve_takes_its_file_host_port_and_log_level_from_the_environment(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """A container sets PREFIX_GATEWAY_CONFIG, _HOST, _PORT and _LOG_LEVEL; a flag wins."""
+    example = ROOT / "deploy" / "examples" / "gateway.yaml"
+    for name in (cli.CONFIG_ENV, cli.HOST_ENV, cli.PORT_ENV, cli.LOG_LEVEL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = run_cli(capsys, "serve", "--check")
+    assert code == 2 and f"give --config FILE or set {cli.CONFIG_ENV}" in err
+
+    monkeypatch.setenv(cli.CONFIG_ENV, str(example))
+    code, out, err = run_cli(capsys, "serve", "--check")
+    assert code == 0 and out.startswith(f"{example}: valid"), err
+
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(cli, "run_gateway",
+                        lambda config, **kw: seen.append((config.server.host, config.server.port,
+                                                          kw["log_level"])))
+    monkeypatch.setenv(cli.HOST_ENV, "127.0.0.2")
+    monkeypatch.setenv(cli.PORT_ENV, "9123")
+    monkeypatch.setenv(cli.LOG_LEVEL_ENV, "WARNING")
+    assert run_cli(capsys, "serve")[0] == 0
+    assert seen.pop() == ("127.0.0.2", 9123, "warning")
+    assert run_cli(capsys, "serve", "--host", "127.0.0.3", "--port", "9124",
+                   "--log-level", "debug")[0] == 0
+    assert seen.pop() == ("127.0.0.3", 9124, "debug")
+
+    monkeypatch.setenv(cli.PORT_ENV, "80a")
+    code, _, err = run_cli(capsys, "serve")
+    assert code == 2 and "PREFIX_GATEWAY_PORT='80a': not a port number" in err
+    monkeypatch.setenv(cli.PORT_ENV, "9123")
+    monkeypatch.setenv(cli.LOG_LEVEL_ENV, "loud")
+    code, _, err = run_cli(capsys, "serve")
+    assert code == 2 and "PREFIX_GATEWAY_LOG_LEVEL='loud'" in err
+    assert not seen

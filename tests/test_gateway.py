@@ -412,9 +412,14 @@ async def test_without_internal_streaming_the_body_passes_through_untouched() ->
 
         gw.upstream.mount(gw.urls["rt-0"], recording)
         body = b'{"model":"tiny","prompt":"hello there","max_tokens":3,"x_custom":[1,2]}'
+        pool = gw.app.state.pools[0]
+        assert pool._cpt_samples == 0
         r = await gw.http.post("/v1/completions", content=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert seen == [body]
+        # The answer's usage is still read on the side: its prompt tokens teach the pool
+        # its characters per token, as a stream's last event does.
+        assert pool._cpt_samples == 1
 
 
 async def asgi_request(app, path: str, body: bytes, leave: asyncio.Event) -> list[dict]:

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.overhead import Run, format_ab_table, record, rotation, summarise_ab
+from loadtests.overhead import (
+    Run,
+    format_ab_table,
+    format_table,
+    record,
+    rotation,
+    summarise,
+    summarise_ab,
+)
 
 
 def test_rotation_puts_each_variant_first_once_per_cycle() -> None:
@@ -66,3 +74,51 @@ def test_summary_and_table_from_constructed_runs() -> None:
     cpu_line = next(line for line in lines if "gw CPU-ms/req" in line)
     assert "1.100" in cpu_line and "1.200" in cpu_line and cpu_line.split()[-1] == "1.09"
     assert lines[-1] == "errors: baseline 0, current 0"
+
+
+def test_router_comparison_puts_cpu_of_routers_and_stubs_side_by_side() -> None:
+    # Closed loop, non-stream, two reps of 10 requests: (router CPU-s, stub CPU-s) per run.
+    def closed(router_s: float | None, stub_s: float, ms: float) -> dict:
+        return record(_run([ms] * 10, 0.01), router_s, False, stub_s)
+
+    res = {"closed": {"non-stream": {
+        "direct": [closed(None, 0.0002, 1.0), closed(None, 0.0004, 1.0)],
+        "gateway": [closed(0.006, 0.0004, 2.0), closed(0.008, 0.0006, 2.0)],
+        "sglang": [closed(0.004, 0.0005, 1.5), closed(0.004, 0.0005, 1.5)]}},
+        "open": {"non-stream@200": {
+            "direct": [record(_run([1.0] * 4, 1.0), None, False, 0.0001)],
+            "gateway": [record(_run([3.0] * 4, 1.0), 0.004, False, 0.0001)],
+            "sglang": [record(_run([2.0] * 4, 1.0), 0.002, False, 0.0001)]}}}
+    s = summarise(res)
+    row = s["closed"]["non-stream"]
+    assert row["stub_cpu_ms_per_req_direct"] == pytest.approx(0.03)
+    gw, sgl = row["routers"]["gateway"], row["routers"]["sglang"]
+    assert (gw["cpu_ms_per_req"], sgl["cpu_ms_per_req"]) == pytest.approx((0.7, 0.4))
+    assert (gw["stub_cpu_ms_per_req"], sgl["stub_cpu_ms_per_req"]) == pytest.approx((0.05, 0.05))
+    added = s["open"]["non-stream@200"]["routers"]
+    assert added["gateway"]["p50_ms"]["added"] == pytest.approx(2.0)
+    assert added["sglang"]["p50_ms"]["added"] == pytest.approx(1.0)
+    assert added["gateway"]["cpu_ms_per_req"] == pytest.approx(1.0)
+
+    args = argparse.Namespace(concurrency=16, duration=3.0, reps=2, prompt_chars=2000)
+    lines = format_table(s, args).splitlines()
+    gw_line = next(line for line in lines if line.split()[:1] == ["gateway"])
+    assert "0.700" in gw_line and gw_line.split()[-1] == "1.75x"  # 0.7 / 0.4
+    assert lines[-1] == "errors: 0 closed loop, 0 open loop"
+
+    # The A/B table grows a column for the SGLang router and one for current/sglang.
+    ab = {"closed": {"non-stream": {"direct": res["closed"]["non-stream"]["direct"],
+                                    "baseline": res["closed"]["non-stream"]["gateway"],
+                                    "current": res["closed"]["non-stream"]["gateway"],
+                                    "sglang": res["closed"]["non-stream"]["sglang"]}},
+          "open": {}}
+    rows = {(r["measurement"], r["metric"]): r for r in summarise_ab(ab)}
+    cpu = rows[("closed non-stream", "gw CPU-ms/req")]
+    assert cpu["ratio"] == pytest.approx(1.0) and cpu["ratio_sglang"] == pytest.approx(1.75)
+    stubs = rows[("closed non-stream", "stubs CPU-ms/req")]
+    assert stubs["current"]["median"] == pytest.approx(0.05)
+    table = format_ab_table(list(rows.values()), argparse.Namespace(
+        baseline_root=Path("/old"), concurrency=16, duration=3.0, reps=2))
+    cpu_line = next(line for line in table.splitlines() if "gw CPU-ms/req" in line)
+    assert cpu_line.split()[-1] == "1.75" and cpu_line.split()[-2] == "1.00"
+    assert table.splitlines()[-1] == "errors: baseline 0, current 0, sglang 0"

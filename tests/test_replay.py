@@ -9,9 +9,20 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
+from aiohttp import web
 
-from loadtests.replay import REQUIRED_KEYS, main
-from loadtests.traces import MOONCAKE, ideal_hit_ratio, load_requests
+from loadtests.gateways import main as gateways_main
+from loadtests.replay import (
+    REPLICA_HEADER,
+    REQUIRED_KEYS,
+    ReplayOptions,
+    main,
+    replay,
+    summarize,
+)
+from loadtests.traces import MOONCAKE, ideal_hit_ratio, load_requests, prompt_text
+from tests.test_traces import HAND_AGREEMENT, HAND_REPLICAS, HAND_TRACE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +83,122 @@ def test_replay_mooncake_trace_with_policy(run) -> None:
     # round robin over 3 replicas: 25 requests split 9/8/8, so the busiest has 9 / (25 / 3).
     assert sorted(res["requests_per_replica"]) == [8, 8, 9]
     assert res["imbalance"] == pytest.approx(1.08)
+
+
+# -- several gateways: round robin over them, and agreement --------------------------------
+
+
+async def _scripted_gateways(n: int, replica_of: dict[str, str],
+                             seen: list[list[str]]) -> tuple[list[str], list[web.AppRunner]]:
+    """`n` stand-ins for gateways: each answers a streamed completion naming, in
+    x-gateway-replica, the replica `replica_of` gives for its prompt, and records the prompts it
+    received in `seen[i]`."""
+    urls, runners = [], []
+    for i in range(n):
+        seen.append([])
+
+        async def completions(request: web.Request, got: list[str] = seen[i]) -> web.StreamResponse:
+            prompt = (await request.json())["prompt"]
+            got.append(prompt)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               REPLICA_HEADER: replica_of[prompt]})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices":[{"text":"x"}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        urls.append(f"http://127.0.0.1:{port}")
+        runners.append(runner)
+    return urls, runners
+
+
+async def test_replay_alternates_gateways_and_reports_agreement_from_the_replica_header() -> None:
+    prompts = [prompt_text(r) for r in HAND_TRACE]
+    assert len(set(prompts)) == len(prompts)
+    seen: list[list[str]] = []
+    urls, runners = await _scripted_gateways(
+        2, dict(zip(prompts, HAND_REPLICAS, strict=True)), seen)
+    try:
+        data = await replay(",".join(urls), [], HAND_TRACE, ReplayOptions(max_output=4))
+    finally:
+        for r in runners:
+            await r.cleanup()
+    # Request i went to gateway i mod 2, and each answer's replica is read from its header.
+    assert sorted(seen[0]) == sorted(prompts[0::2])
+    assert sorted(seen[1]) == sorted(prompts[1::2])
+    assert [r.replica for r in data.results] == HAND_REPLICAS
+    res = summarize(data, HAND_TRACE, "scripted")
+    assert (res["agreement"], res["warm_requests"]) == HAND_AGREEMENT
+    assert res["gateways"] == 2
+    assert res["requests_per_gateway"] == [4, 3]
+    assert res["errors"] == 0 and res["errors_per_gateway"] == [0, 0]
+
+
+def _hand_trace(tmp_path: Path) -> Path:
+    """Nine requests 50 ms apart sharing their first two blocks, each with a third of its own."""
+    trace = tmp_path / "hand.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": 50 * i, "input_length": 1500, "output_length": 4,
+                    "hash_ids": [11, 12, 100 + i]}) + "\n" for i in range(9)))
+    return trace
+
+
+@pytest.mark.parametrize(("gateways", "policy", "agreement"), [
+    # One gateway keeps the shared prefix on the replica that has it: every warm request
+    # goes home.
+    (1, "prefix_affinity", 1.0),
+    # Two gateways, each cycling over 2 replicas from the first: requests land on replicas
+    # 0, 0, 1, 1, 0, 0, 1, 1, 0, so exactly half of the 8 warm ones follow the one before.
+    (2, "round_robin", 0.5),
+])
+def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int, policy: str,
+                                              agreement: float) -> None:
+    # Sent one at a time (--concurrency-limit 1) so that no load ever moves a request.
+    res = run(["--trace", str(_hand_trace(tmp_path)), "--replicas", "2",
+               "--gateways", str(gateways), "--policy", policy, "--time-scale", "0.02",
+               "--max-output", "4", "--concurrency-limit", "1", "--redis"])
+    assert res["errors"] == 0, res.get("first_errors")
+    assert res["gateways"] == gateways
+    assert res["requests_per_gateway"] == ([9] if gateways == 1 else [5, 4])
+    assert (res["agreement"], res["warm_requests"]) == (agreement, 8)
+    assert sum(res["requests_per_replica"]) == 9
+    # The gateways ran one configuration, with the Redis replay started, on ports of their own.
+    names = ["gateway"] if gateways == 1 else [f"gateway-{i}" for i in range(gateways)]
+    configs = [yaml.safe_load((Path(res["log_dir"]) / f"{n}.yaml").read_text()) for n in names]
+    assert res["redis"] is True
+    assert all(c["redis"]["url"].startswith("redis://127.0.0.1:") for c in configs)
+    assert len({c.pop("server")["port"] for c in configs}) == gateways
+    assert all(c == configs[0] for c in configs)
+    assert configs[0]["routing"]["policy"] == policy
+
+
+def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Path) -> None:
+    # round_robin over 2 replicas: one gateway alternates them (no warm request goes home);
+    # two gateways both start from the first, so half do. Each run begins on emptied caches,
+    # so both see the same hit ratio; with Redis each run has a key prefix of its own. One
+    # request at a time, so each gateway receives its requests in order.
+    trace = _hand_trace(tmp_path)
+    out = tmp_path / "runs.jsonl"
+    code = gateways_main(["--trace", str(trace), "--replicas", "2", "--counts", "1,2",
+                          "--redis", "on", "--policy", "round_robin", "--time-scale", "0.02",
+                          "--max-output", "4", "--concurrency-limit", "1",
+                          "--output", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["gateways"], r["redis"], r["agreement"]) for r in runs] == [
+        (1, True, 0.0), (2, True, 0.5)]
+    assert all(r["errors"] == 0 and r["requests"] == 9 for r in runs)
+    assert runs[0]["hit_ratio"] == pytest.approx(runs[1]["hit_ratio"])
+    assert runs[0]["redis_key_prefix"] != runs[1]["redis_key_prefix"]
+    rows = [line for line in table.splitlines() if line.startswith("| 1 ") or
+            line.startswith("| 2 ")]
+    assert len(rows) == 2 and all("| yes |" in row for row in rows)
+    assert "| 0.500 | 8 |" in rows[1]

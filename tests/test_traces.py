@@ -10,7 +10,14 @@ import pytest
 
 from backends.sim.prompt import estimate_tokens
 from loadtests.experiments.stress_trace import main as write_stress_trace
-from loadtests.traces import BLOCK_TOKENS, ideal_hit_ratio, load_trace, prompt_text
+from loadtests.traces import (
+    BLOCK_TOKENS,
+    TraceRequest,
+    agreement,
+    ideal_hit_ratio,
+    load_trace,
+    prompt_text,
+)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -92,3 +99,42 @@ def test_stress_trace_has_the_asked_shape_and_valid_prefix_chains(tmp_path: Path
     assert extending / 1999 == pytest.approx(0.5, abs=0.05)
     reqs = load_trace(out)
     assert 0.1 < ideal_hit_ratio(reqs) < 0.6
+
+
+def blocks_trace(*chains: tuple[int, ...]) -> list[TraceRequest]:
+    """Requests 0.1 s apart with these block ids (full blocks)."""
+    return [TraceRequest(i / 10, len(c) * BLOCK_TOKENS, 4, c) for i, c in enumerate(chains)]
+
+
+# A hand-made trace, its replicas, and each request's home by the definition: the replica of
+# the most recent earlier request sharing its longest prefix.
+HAND_TRACE = blocks_trace((1, 2, 3), (1, 2, 4), (1, 2, 4, 5), (1, 2, 3, 6), (1, 2), (7, 8),
+                          (7, 9))
+HAND_REPLICAS = ["r0", "r0", "r1", "r0", "r1", "r1", "r1"]
+# 0 cold; 1 home r0 (shares 1,2 with 0): agrees; 2 home r0 (1,2,4 with 1): not; 3 home r0
+# (1,2,3 with 0, longer than 1,2 with the more recent 2): agrees; 4 home r0 (1,2 with all;
+# the most recent is 3): not; 5 cold; 6 home r1 (7 with 5): agrees. 3 of 5 warm agree.
+HAND_AGREEMENT = (3 / 5, 5)
+
+
+def test_agreement_follows_the_longest_then_the_most_recent_shared_prefix() -> None:
+    assert agreement(HAND_TRACE, HAND_REPLICAS) == HAND_AGREEMENT
+    # Every request on one replica agrees always; alternating two never does after a cold one.
+    assert agreement(HAND_TRACE, ["r0"] * 7) == (1.0, 5)
+    assert agreement(blocks_trace((1, 2), (1, 3), (1, 4), (1, 5)),
+                     ["a", "b", "a", "b"]) == (0.0, 3)
+
+
+def test_agreement_skips_failed_requests_and_compares_whole_prefixes() -> None:
+    # Request 1 failed (no replica): not counted, and not the home of request 2, whose
+    # longest answered prefix is (7, 9) with request 0.
+    reqs = blocks_trace((7, 9), (7, 9, 10), (7, 9, 10, 11))
+    assert agreement(reqs, ["r1", None, "r0"]) == (0.0, 1)
+    # Answered, request 1 is request 2's home (it moved away from request 0's replica).
+    assert agreement(reqs, ["r1", "r0", "r0"]) == (0.5, 2)
+    # The same id after a different first block is another prefix: request 1 is cold.
+    assert agreement(blocks_trace((5, 1), (6, 1)), ["r0", "r0"]) == (None, 0)
+    # Nothing warm (every Azure request is like this): no figure rather than 0 or 1.
+    assert agreement(blocks_trace((1,), (2,)), ["r0", "r1"]) == (None, 0)
+    with pytest.raises(ValueError, match="2 requests but 1 replicas"):
+        agreement(blocks_trace((1,), (2,)), ["r0"])

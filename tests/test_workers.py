@@ -1,0 +1,339 @@
+"""`prefix-gateway serve --workers N`: worker processes sharing one port under a supervising
+process (real processes and real simulated replicas); and how /metrics and /admin/stats
+merge the workers' figures."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from gateway import processes
+from gateway.metrics import GatewayMetrics
+from gateway.stats import render_table
+from gateway.workerview import dump_metrics, merge_metrics, merge_stats
+from tests.conftest import ROOT, Gateway, Sims, poll, start_gateway, start_sims
+from tests.test_reload_process import config, padded, write_unseen
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory) -> Iterator[Sims]:
+    # Real-time simulated replicas: a stream of 400 tokens lasts about 8 s (21 ms a token).
+    s = start_sims(["vllm", "vllm"], tmp_path_factory.mktemp("sims"), time_scale=1.0)
+    yield s
+    s.stop()
+
+
+def workers_config(port: int, replicas: dict[str, str]) -> dict:
+    cfg = config(port, replicas)
+    cfg["server"]["workers"] = WORKERS
+    return cfg
+
+
+@pytest.fixture
+def gw(sims: Sims, tmp_path) -> Iterator[Gateway]:
+    port = processes.free_ports(1)[0]
+    g = start_gateway(workers_config(port, {"rt-0": sims.urls[0]}), tmp_path)
+    g.config_path.write_text(padded(workers_config(port, {"rt-0": sims.urls[0]})))
+    # /ready answers once a worker serves; "serving on" is printed once every worker does.
+    poll(lambda: "(2 workers)" in g.log(), deadline_s=30)
+    poll(lambda: len(worker_pids(g)) == WORKERS, deadline_s=15)
+    yield g
+    g.stop()
+
+
+def stats(gw: Gateway) -> dict:
+    r = httpx.get(gw.url + "/admin/stats", timeout=10)
+    assert r.status_code == 200
+    return r.json()
+
+
+def worker_pids(gw: Gateway) -> dict[int, int]:
+    """Each live worker's pid -> requests it finished."""
+    return {w["pid"]: w["requests"] for w in stats(gw)["workers"]}
+
+
+def complete(gw: Gateway, prompt: str) -> None:
+    # httpx.post opens a new connection each time: any worker may accept it.
+    r = httpx.post(gw.url + "/v1/completions", timeout=30,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def requests_total(gw: Gateway) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("gateway_requests_total{"))
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def serve_both(gw: Gateway) -> int:
+    """Send requests until each worker finished one; how many were sent."""
+    sent = 0
+
+    def both_served() -> bool:
+        nonlocal sent
+        complete(gw, f"hello {sent} " * 20)
+        sent += 1
+        counts = worker_pids(gw)
+        return len(counts) == WORKERS and all(counts.values())
+
+    poll(both_served, deadline_s=60, interval_s=0)
+    return sent
+
+
+def test_workers_share_the_port_and_metrics_cover_them_all(gw: Gateway) -> None:
+    pids = worker_pids(gw)
+    assert len(pids) == WORKERS
+    for pid in pids:
+        assert parent_of(pid) == gw.proc.pid  # forked by the supervisor, not the gateway itself
+    sent = serve_both(gw)
+    assert set(worker_pids(gw)) == set(pids)
+    # Every worker's requests are counted, whichever worker answers the scrape.
+    poll(lambda: requests_total(gw) == sent, deadline_s=15)
+    assert sum(worker_pids(gw).values()) == sent
+    rt0 = next(r for p in stats(gw)["pools"] for r in p["replicas"] if r["name"] == "rt-0")
+    assert rt0["requests"] == sent
+    # The admin API would change one worker only: refused, the file is the way.
+    r = httpx.post(gw.url + "/admin/pools/rt/replicas", timeout=10,
+                   json={"name": "rt-9", "url": "http://127.0.0.1:9"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "several_workers"
+
+    # A worker killed: another takes its place, and the counts it had stay in the sums.
+    poll(lambda: requests_total(gw) == sent, deadline_s=15)
+    victim = min(pids)
+    os.kill(victim, signal.SIGKILL)
+    poll(lambda: f"worker {victim} (slot" in gw.log() and "was killed by SIGKILL" in gw.log(),
+         deadline_s=15)
+    poll(lambda: len(now := worker_pids(gw)) == WORKERS and victim not in now, deadline_s=30)
+    replacement = (set(worker_pids(gw)) - set(pids)).pop()
+    poll(lambda: re.search(rf"worker {replacement} \(slot \d\) serving", gw.log()),
+         deadline_s=15)
+    assert requests_total(gw) == sent
+    before = sent
+    sent += serve_both(gw)
+    assert sent > before
+    poll(lambda: requests_total(gw) == sent, deadline_s=15)
+    assert gw.proc.poll() is None
+
+
+def test_sighup_reloads_every_worker(gw: Gateway, sims: Sims) -> None:
+    pids = worker_pids(gw)
+    port = int(gw.url.rsplit(":", 1)[1])
+    # A change the file watch cannot see: only SIGHUP, passed on to each worker, applies it.
+    write_unseen(gw.config_path, padded(workers_config(port, {"rt-0": sims.urls[0],
+                                                              "rt-1": sims.urls[1]})))
+    gw.proc.send_signal(signal.SIGHUP)
+    for pid in pids:
+        poll(lambda pid=pid: f"[worker {pid}] configuration reloaded from "
+             f"{gw.config_path} (SIGHUP): rt/rt-1 added" in gw.log(), deadline_s=15)
+    poll(lambda: {r["name"] for p in stats(gw)["pools"] for r in p["replicas"]
+                  if r["healthy"]} == {"rt-0", "rt-1"}, deadline_s=15)
+    assert worker_pids(gw).keys() == pids.keys()  # reloaded, not restarted
+    assert gw.proc.poll() is None
+
+
+def stream(url: str, results: list, i: int) -> None:
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": f"stream {i} " * 40, "max_tokens": 400,
+                "stream": True}) as r:
+            body = b"".join(r.iter_bytes())
+        results.append((r.status_code, body))
+    except httpx.HTTPError as exc:
+        results.append((0, repr(exc).encode()))
+
+
+def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
+    pids = worker_pids(gw)
+    results: list = []
+    threads: list[threading.Thread] = []
+
+    def both_busy() -> bool:
+        t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
+        t.start()
+        threads.append(t)
+        busy = [w for w in stats(gw)["workers"] if w["inflight"]]
+        return len(busy) == WORKERS
+
+    poll(both_busy, deadline_s=30, interval_s=0.2)
+    assert not results, "the streams should still be running when SIGTERM is sent"
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(timeout=60) == 0
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == len(threads)
+    for status, body in results:
+        assert status == 200, body
+        assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
+    for pid in pids:
+        assert f"prefix_gateway.supervisor worker {pid} stopped" in gw.log()
+    assert gw.log().rstrip().endswith("every worker stopped")
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_port_in_use_exits_1_with_one_error(sims: Sims, tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    path = tmp_path / "gw.yaml"
+    path.write_text(padded(workers_config(port, {"rt-0": sims.urls[0]})))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                               str(path), "--workers", "2"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        taken.close()
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [f"prefix-gateway: cannot listen on 127.0.0.1:{port}: Address already "
+                      "in use"], proc.stderr
+    assert "serving on" not in proc.stdout
+    assert "Started server process" not in proc.stdout + proc.stderr  # no worker started
+
+
+FAILING = """
+import sys
+from gateway.supervisor import Supervisor
+def worker(directory, serving):
+    raise RuntimeError("this worker cannot start")
+sys.exit(Supervisor(2, worker, "prefix-gateway: serving on nowhere").run())
+"""
+
+
+def test_workers_failing_to_start_end_the_gateway_with_status_1() -> None:
+    proc = subprocess.run([sys.executable, "-c", FAILING], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1
+    assert proc.stderr.count("prefix-gateway: workers keep failing to start (3 in a row") == 1
+    assert "RuntimeError: this worker cannot start" in proc.stderr
+    assert "serving on" not in proc.stdout
+
+
+# Merging the workers' figures ------------------------------------------------------------------
+
+def _metrics(requests: float, inflight: float, up: float, ttft: float) -> dict:
+    m = GatewayMetrics()
+    m.requests.inc(("p", "r", "c", "200"), requests)
+    m.inflight.set(("p", "r"), inflight)
+    m.replica_up.set(("p", "r"), up)
+    m.ttft.observe(("p", "r", "c"), ttft)
+    return orjson.loads(orjson.dumps(dump_metrics(m)))
+
+
+def test_merged_metrics_sum_counters_histograms_and_held_gauges() -> None:
+    own = _metrics(3, 1, 1, 0.01)
+    live = _metrics(5, 2, 0, 0.3)
+    dead = _metrics(7, 4, 0, 30.0)
+    m = merge_metrics(own, [live], [dead])
+    assert m.requests.values[("p", "r", "c", "200")] == 15  # a dead worker's count stays
+    assert m.inflight.values[("p", "r")] == 3  # live workers' in flight; a dead one's dropped
+    assert m.replica_up.values[("p", "r")] == 1  # a replica's state: the answering worker's
+    row = m.ttft.rows[("p", "r", "c")]
+    assert sum(row[:-1]) == 3 and row[-1] == pytest.approx(30.31)
+    text = m.registry.collect()
+    names = {f.name for f in text}
+    assert "gateway_requests" in names and "gateway_time_to_first_token_seconds" in names
+
+
+def _stats(requests: int, inflight: int, hits: int, misses: int, ttfts: list[float],
+           decisions: dict[str, int]) -> dict:
+    replica = {"name": "r", "healthy": True, "engine_hit_ratio": None, "inflight": inflight,
+               "pending_prefill_tokens": 10 * inflight,
+               "requests": requests, "errors": 0, "estimated_hit_ratio": None,
+               "ttft_p50_s": None, "ttft_p95_s": None}
+    return {"snapshot": {"pools": [{"name": "p", "engine": "vllm", "policy": "prefix_affinity",
+                                    "models": ["tiny"], "prefill_tokens_per_s": None,
+                                    "prefill_rate_learned": False,
+                                    "traffic_classes": {"c": requests},
+                                    "decisions_by_reason": decisions, "replicas": [replica]}],
+                         "admission": {"classes": [], "pools": []}},
+            "replicas": {"r": [hits, misses, ttfts]}, "queue_waits": {}}
+
+
+def test_merged_stats_cover_every_live_worker() -> None:
+    merged = merge_stats(1, {1: _stats(2, 1, 3, 1, [0.1, 0.2], {"affinity": 2}),
+                             2: _stats(4, 2, 1, 3, [0.3, 0.4, 0.5, 0.6], {"cold": 4})})
+    pool = merged["pools"][0]
+    r = pool["replicas"][0]
+    assert (r["requests"], r["inflight"], r["pending_prefill_tokens"]) == (6, 3, 30)
+    assert r["estimated_hit_ratio"] == 0.5
+    assert r["ttft_p50_s"] == 0.4 and r["ttft_p95_s"] == 0.6
+    assert pool["decisions_by_reason"] == {"affinity": 2, "cold": 4}
+    assert pool["traffic_classes"] == {"c": 6}
+    assert merged["worker_pid"] == 1
+    assert merged["workers"] == [{"pid": 1, "requests": 2, "inflight": 1},
+                                 {"pid": 2, "requests": 4, "inflight": 2}]
+    assert render_table(merged).startswith(
+        "workers: 2 (pid 1: 2 requests, 1 in flight, pid 2: 4 requests, 2 in flight)\n")
+
+
+def test_one_worker_is_one_process_as_before(sims: Sims, tmp_path: Path) -> None:
+    port = processes.free_ports(1)[0]
+    g = start_gateway(config(port, {"rt-0": sims.urls[0]}), tmp_path)
+    try:
+        complete(g, "one process " * 20)
+        assert psutil.Process(g.proc.pid).children() == []  # no supervisor, no worker
+        body = stats(g)
+        assert "workers" not in body and "worker_pid" not in body
+        assert "workers)" not in g.log()
+        r = httpx.post(g.url + "/admin/pools/rt/replicas", timeout=10,
+                       json={"name": "rt-1", "url": sims.urls[1]})
+        assert r.status_code == 201  # the admin API changes the one process's replicas
+    finally:
+        g.stop()
+
+
+def test_a_worker_rewrites_its_file_when_any_figure_moved(tmp_path: Path) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.defaults import one_pool_config
+    from gateway.state import GatewayState
+    from gateway.workerview import WorkerView
+
+    state = GatewayState(GatewayConfig.model_validate(one_pool_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+    view = WorkerView(tmp_path, state)
+    inflight = state.metrics.inflight
+    inflight.set(("default", "replica-0"), 1)
+    inflight.set(("default", "replica-1"), 0)
+    view.write()
+    assert view.signature() == view.written  # nothing moved: the periodic write skips
+    # A request moved from one replica to another: the total is the same, the file is not.
+    inflight.set(("default", "replica-0"), 0)
+    inflight.set(("default", "replica-1"), 1)
+    assert view.signature() != view.written
+    state.metrics.requests.inc(("default", "replica-0", "default", "200"))
+    view.write()
+    on_disk = orjson.loads((tmp_path / f"{os.getpid()}.json").read_bytes())
+    assert [["default", "replica-0", "default", "200"], 1.0] in \
+        on_disk["metrics"]["gateway_requests"]
+    assert view.signature() == view.written
+    state.metrics.requests.inc(("default", "replica-0", "default", "200"))
+    assert view.signature() != view.written
