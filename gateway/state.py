@@ -73,7 +73,7 @@ class GatewayState:
         await self.upstream.aclose()
         await self.limiter.aclose()
         if self.tracing is not None:
-            self.tracing.shutdown()
+            await self.tracing.shutdown()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}
