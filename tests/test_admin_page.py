@@ -1,7 +1,10 @@
 """The /admin page in a real headless browser (Debian's chromium and chromium-driver, driven
 by Selenium) against a real gateway in front of simulated replicas: the admin key asked for
 and refused, the numbers it shows against /admin/stats, the charts against /admin/history,
-and the page following traffic as it flows."""
+and the page following traffic as it flows.
+
+`PREFIX_GATEWAY_SCREENSHOT=docs/admin-page.png` also writes the screenshot the docs show,
+after a whole chart window (a minute) of traffic."""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def _traffic(url: str, done: threading.Event, worker: int) -> None:
     with httpx.Client(base_url=url, timeout=30) as client:
         i = 0
         while not done.is_set():
-            tenant = (i * 7 + worker) % 5
+            tenant = (i * 7 + worker) % 5 + 5 * (i // 150)  # new tenants now and then
             body = {"model": "tiny", "max_tokens": 8, "stream": i % 3 == 0,
                     "messages": [{"role": "system", "content": tenant_prompt(tenant)},
                                  {"role": "user", "content": f"question {i}"}]}
@@ -188,6 +191,10 @@ def test_admin_page_in_a_browser(browser, tmp_path: Path) -> None:
         rows = poll(lambda: _decisions(browser), 30)
         assert {r["reason"] for r in rows} <= REASONS
         assert {r["replica"] for r in rows} <= {"rt-0", "rt-1", "rt-2", "bt-0", "bt-1"}
+        if os.environ.get("PREFIX_GATEWAY_SCREENSHOT"):
+            # For the docs: a whole window of traffic on the charts.
+            poll(lambda: browser.execute_script(
+                "return +document.getElementById('updated').dataset.samples") >= 120, 180)
         shot = tmp_path / "admin.png"
         assert browser.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
