@@ -142,6 +142,7 @@ class Tracing:
                     span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 span.end()
+                _current.set(None)
                 raise
             span.set_attribute("http.response.status_code", reply.status)
             if reply.status >= 500:
@@ -151,6 +152,7 @@ class Tracing:
                 _end_with(body, span)
             else:
                 span.end()
+                _current.set(None)
             return reply
 
         return traced
@@ -166,6 +168,7 @@ def _end_with(body: StreamBody, span: Span) -> None:
                 before()
         finally:
             span.end()
+            _current.set(None)
 
     body.on_end = on_end
 
@@ -185,6 +188,7 @@ class TracingObserver(Observer):
                 "gateway.route.matched_blocks": d.matched_blocks,
                 "gateway.route.total_blocks": d.total_blocks,
                 "gateway.replica": d.replica, "gateway.attempt": 1})
+            # A retry changes gateway.replica and gateway.attempt (below).
 
     def retried(self, pool: str, replica: str) -> None:
         super().retried(pool, replica)
@@ -208,14 +212,16 @@ class TracingObserver(Observer):
         if t is None:
             return
         span = t.span
-        span.set_attributes({"gateway.status": f.status, "gateway.traffic_class": f.traffic_class,
-                             "gateway.pool": f.pool, "gateway.duration_s": round(f.duration_s, 6)})
-        if f.replica != "none":
-            span.set_attribute("gateway.replica", f.replica)
+        attrs: dict[str, str | float | int] = {"gateway.status": f.status,
+                                               "gateway.duration_s": round(f.duration_s, 6)}
+        if not t.attempt:  # ended before any decision (429, 503, a client gone while queued)
+            attrs["gateway.pool"] = f.pool
+            attrs["gateway.traffic_class"] = f.traffic_class
         if f.ttft_s is not None:
-            span.set_attribute("gateway.ttft_s", round(f.ttft_s, 6))
+            attrs["gateway.ttft_s"] = round(f.ttft_s, 6)
         if f.completion_tokens:
-            span.set_attribute("gen_ai.usage.output_tokens", f.completion_tokens)
+            attrs["gen_ai.usage.output_tokens"] = f.completion_tokens
+        span.set_attributes(attrs)
         if f.status.startswith("5"):
             span.set_status(Status(StatusCode.ERROR, f"status {f.status}"))
 
