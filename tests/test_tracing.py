@@ -5,9 +5,11 @@ client; off, nothing of it is imported or run."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +21,14 @@ from aiohttp import web
 from backends.upstream.inprocess import HandlerResponse
 from gateway import processes
 from gateway.config import ConfigError, parse_config
-from tests.conftest import ROOT, start_sims, tenant_prompt
+from tests.conftest import (
+    ROOT,
+    poll,
+    start_gateway,
+    start_sims,
+    tenant_prompt,
+    two_pool_config,
+)
 from tests.inprocess import gateway, replica_answering, two_pools
 from tests.test_auth import recording
 
@@ -244,3 +253,59 @@ async def test_a_real_request_to_a_simulated_replica_carries_the_trace(tmp_path)
     assert span.attributes["gateway.replica"] == "rt-0"
     assert span.attributes["gateway.ttft_s"] > 0
     assert span.attributes["http.response.status_code"] == 200
+
+
+def test_a_gateway_exports_its_spans_over_otlp_http(tmp_path) -> None:
+    """`prefix-gateway serve` with tracing on sends its spans, as OTLP/HTTP protobuf, to
+    `tracing.endpoint`: here a loopback server that decodes them."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/traces":
+                received.append(ExportTraceServiceRequest.FromString(body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    sims = start_sims(["vllm", "trtllm"], tmp_path)
+    try:
+        config = two_pool_config(sims.urls[:1], sims.urls[1:], processes.free_ports(1)[0])
+        config["tracing"] = {"enabled": True, "service_name": "edge-gw", "endpoint":
+                             f"http://127.0.0.1:{collector.server_port}/v1/traces"}
+        gw = start_gateway(config, tmp_path)
+        try:
+            r = httpx.post(gw.url + "/v1/completions", headers={"traceparent": TRACEPARENT},
+                           json={"model": "tiny", "prompt": tenant_prompt(2), "max_tokens": 3},
+                           timeout=30)
+            assert r.status_code == 200
+
+            def exported() -> list:
+                return [(rs, span) for req in received for rs in req.resource_spans
+                        for ss in rs.scope_spans for span in ss.spans]
+
+            ((resource_spans, span),) = poll(exported, 30)  # batches leave every 5 s
+        finally:
+            gw.stop()
+    finally:
+        sims.stop()
+        collector.shutdown()
+    assert span.trace_id.hex() == CLIENT_TRACE and span.parent_span_id.hex() == CLIENT_SPAN
+    assert span.name == "POST /v1/completions"
+    attrs = {a.key: a.value for a in span.attributes}
+    assert attrs["gateway.pool"].string_value == "realtime"
+    assert attrs["gateway.replica"].string_value == "rt-0"
+    assert attrs["gateway.ttft_s"].double_value > 0
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert service["service.name"] == "edge-gw"
