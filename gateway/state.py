@@ -3,6 +3,8 @@ observers."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from backends.health import HealthMonitor
 from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
@@ -11,11 +13,15 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
+from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.ratelimit import RateLimiter
 from gateway.stats import StatsRecorder
 from gateway.wiring import build_pools
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 
 class GatewayState:
@@ -23,16 +29,28 @@ class GatewayState:
     test passes an in-process one)."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
-                 upstream: Upstream | None = None) -> None:
+                 upstream: Upstream | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
         self.pools = build_pools(config)
         self.pool_by_name = {p.name: p for p in self.pools}
         self.pool_for_class = {c.name: self.pool_by_name[c.pool] for c in config.traffic_classes}
         self.classifier = Classifier(config.classification, set(self.pool_for_class))
         self.metrics = metrics or GatewayMetrics()
-        self.stats = StatsRecorder()
-        self.observer = Observer(self.metrics, self.stats)
-        self.admission = Admission(config, self.pool_by_name, self.observer)
+        self.stats = StatsRecorder(config.history.decisions)
+        self.history = History(config.history, self.metrics, self.stats, self.pools)
+        self.tracing = tracing
+        """OpenTelemetry (gateway/tracing.py), imported only when tracing is enabled."""
+        if tracing is None and config.tracing.enabled:
+            from gateway.tracing import Tracing
+
+            self.tracing = Tracing(config.tracing)
+        if self.tracing is None:
+            self.observer = Observer(self.metrics, self.stats)
+            self.admission = Admission(config, self.pool_by_name, self.observer)
+        else:
+            # The same observer and admission, which also annotate the request's span.
+            self.observer = self.tracing.observer(self.metrics, self.stats)
+            self.admission = self.tracing.admission(config, self.pool_by_name, self.observer)
         self.auth = Authenticator(config)
         self.limiter = RateLimiter(config)
         self.models = sorted({m for p in self.pools for m in p.models})
@@ -47,11 +65,15 @@ class GatewayState:
         await self.monitor.check_all()
         self.admission.started()
         self.monitor.start()
+        self.history.start()
 
     async def stop(self) -> None:
+        await self.history.stop()
         await self.monitor.stop()
         await self.upstream.aclose()
         await self.limiter.aclose()
+        if self.tracing is not None:
+            await self.tracing.shutdown()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}
