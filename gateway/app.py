@@ -158,6 +158,13 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
             return view.stats()
         return state.stats.snapshot(state.pools, state.admission)
 
+    @app.get("/admin/history")
+    async def history(since: float | None = None) -> dict[str, Any]:
+        """The /admin page's charts: one sample per `history.interval_s` over the last
+        `history.window_s` (only those after `since`, a sample's `t`, if given), and the
+        latest routing decisions with their reasons."""
+        return state.history.snapshot(since)
+
     # Replicas joining and leaving (gateway/fleet.py); a reload from the file overrides these.
     def _failed(err: GatewayError) -> JSONResponse:
         return _error(err.status, err.message, code=err.code)

@@ -451,6 +451,65 @@ class BatchConfig(_Strict):
                                    "leases")
 
 
+
+class HistoryConfig(_Strict):
+    """What the gateway keeps in memory for the /admin page: per-interval samples and the
+    latest routing decisions (both fixed-size rings)."""
+
+    interval_s: float = Field(5.0, ge=0.1, le=3600, description="one sample per interval")
+    window_s: float = Field(900.0, gt=0, le=86400, description="samples kept cover this long "
+                            "(window_s / interval_s samples, at most 17,280)")
+    decisions: int = Field(50, ge=0, le=10000, description="latest routing decisions kept")
+
+    @model_validator(mode="after")
+    def _samples(self) -> HistoryConfig:
+        n = self.window_s / self.interval_s
+        if n < 2 or n > 17280:
+            raise ValueError(f"history.window_s / history.interval_s is {n:g}: keep 2 to "
+                             "17,280 samples")
+        return self
+
+    @property
+    def samples(self) -> int:
+        return round(self.window_s / self.interval_s)
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry tracing (the `otel` extra): a span per inference request."""
+
+    enabled: bool = Field(False, description="off: nothing of OpenTelemetry is imported")
+    service_name: str = Field("prefix-gateway", min_length=1)
+    endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; None: "
+        "the exporter's environment variables (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+        "OTEL_EXPORTER_OTLP_ENDPOINT) or its default, http://localhost:4318/v1/traces")
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share of new traces "
+                                "recorded; a request with a traceparent follows its sampled "
+                                "flag")
+
+    @model_validator(mode="after")
+    def _installed(self) -> TracingConfig:
+        if self.enabled:
+            missing = [name for name in _OTEL_MODULES if not _importable(name)]
+            if missing:
+                raise ValueError("tracing.enabled needs the otel extra (pip install "
+                                 f"'prefix-gateway[otel]'): {', '.join(missing)} not installed")
+        return self
+
+
+_OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+
+
+def _importable(name: str) -> bool:
+    """Whether module `name` is installed, without importing it (only its parents)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 # Authentication, authorisation and rate limits (docs/security.md) --------------------------
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -593,6 +652,8 @@ class GatewayConfig(_Strict):
     classification: ClassificationConfig
     redis: RedisConfig | None = None
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _references(self) -> GatewayConfig:

@@ -43,7 +43,9 @@ log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
 
-_FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"openai-organization", b"openai-project")
+# W3C trace context goes on as a pair: tracestate means nothing without its traceparent.
+_FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"tracestate", b"openai-organization",
+                    b"openai-project")
 
 
 @dataclass(slots=True)
@@ -124,6 +126,10 @@ class RequestCore:
                                          if p.pass_client_key)
         self.gates = state.admission.classes
         """Traffic classes under admission control (empty when none is configured)."""
+        if state.tracing is not None:
+            # A span around each request: decided here, once, so that without tracing no
+            # request checks for it.
+            self.handle = state.tracing.wrap(self.handle)  # type: ignore[method-assign]
 
     async def handle(self, request: InferenceRequest, link: ClientLink | None = None) -> Reply:
         """The reply to `request`; errors come back as OpenAI-shaped error replies.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from time import time
 
 from backends.pool import Pool, ReplicaState
 from gateway.metrics import GatewayMetrics
@@ -29,11 +30,13 @@ class Observer:
         if classes is None:
             classes = self.stats.classes[pool] = Counter()
         classes[cls] += 1
+        self.stats.recent.append((time(), pool, cls, d))
+        s = self.stats.replica(d.replica)
+        s.routed += 1
         if d.total_blocks:
             missed = d.total_blocks - d.matched_blocks
             m.prefix_blocks.inc((pool, d.replica, "hit"), d.matched_blocks)
             m.prefix_blocks.inc((pool, d.replica, "miss"), missed)
-            s = self.stats.replica(d.replica)
             s.hit_blocks += d.matched_blocks
             s.miss_blocks += missed
             m.match_fraction.observe((pool,), d.matched_fraction)

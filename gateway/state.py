@@ -3,6 +3,8 @@ observers."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from backends.health import HealthMonitor
 from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
@@ -11,6 +13,7 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
+from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.ratelimit import RateLimiter
@@ -19,22 +22,37 @@ from gateway.shared_routing import SharedRouting
 from gateway.stats import StatsRecorder
 from gateway.wiring import build_pools
 
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
+
 
 class GatewayState:
     """Built from the config; `upstream` is the transport to the replicas (aiohttp unless a
     test passes an in-process one)."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
-                 upstream: Upstream | None = None) -> None:
+                 upstream: Upstream | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
         self.pools = build_pools(config)
         self.pool_by_name = {p.name: p for p in self.pools}
         self.pool_for_class = {c.name: self.pool_by_name[c.pool] for c in config.traffic_classes}
         self.classifier = Classifier(config.classification, set(self.pool_for_class))
         self.metrics = metrics or GatewayMetrics()
-        self.stats = StatsRecorder()
-        self.observer = Observer(self.metrics, self.stats)
-        self.admission = Admission(config, self.pool_by_name, self.observer)
+        self.stats = StatsRecorder(config.history.decisions)
+        self.history = History(config.history, self.metrics, self.stats, self.pools)
+        self.tracing = tracing
+        """OpenTelemetry (gateway/tracing.py), imported only when tracing is enabled."""
+        if tracing is None and config.tracing.enabled:
+            from gateway.tracing import Tracing
+
+            self.tracing = Tracing(config.tracing)
+        if self.tracing is None:
+            self.observer = Observer(self.metrics, self.stats)
+            self.admission = Admission(config, self.pool_by_name, self.observer)
+        else:
+            # The same observer and admission, which also annotate the request's span.
+            self.observer = self.tracing.observer(self.metrics, self.stats)
+            self.admission = self.tracing.admission(config, self.pool_by_name, self.observer)
         self.auth = Authenticator(config)
         self.redis = connect(config.redis) if config.redis is not None else None
         """The one Redis client (and connection pool) of the gateway, when configured."""
@@ -57,8 +75,10 @@ class GatewayState:
         self.monitor.start()
         if self.shared is not None:
             self.shared.start()
+        self.history.start()
 
     async def stop(self) -> None:
+        await self.history.stop()
         await self.monitor.stop()
         if self.shared is not None:
             await self.shared.stop()
@@ -66,6 +86,8 @@ class GatewayState:
         await self.limiter.aclose()
         if self.redis is not None:
             await self.redis.aclose()
+        if self.tracing is not None:
+            await self.tracing.shutdown()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from backends.pool import Pool
+from routing.types import Decision
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
@@ -22,9 +23,11 @@ def shown_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query="***" if parts.query else ""))
 
 class ReplicaStats:
-    __slots__ = ("errors", "hit_blocks", "miss_blocks", "requests", "ttfts")
+    __slots__ = ("errors", "hit_blocks", "miss_blocks", "requests", "routed", "ttfts")
 
     def __init__(self) -> None:
+        self.routed = 0
+        """Requests routed to it (first decisions)."""
         self.requests = 0
         self.errors = 0
         self.hit_blocks = 0
@@ -35,8 +38,10 @@ class ReplicaStats:
 class StatsRecorder:
     """Counts kept beside the Prometheus metrics, in a shape a person can read at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, recent_decisions: int = 50) -> None:
         self.replicas: dict[str, ReplicaStats] = {}
+        self.recent: deque[tuple[float, str, str, Decision]] = deque(maxlen=recent_decisions)
+        """The latest routing decisions: (time.time(), pool, traffic class, decision)."""
         self.decisions: dict[str, Counter[str]] = {}
         self.classes: dict[str, Counter[str]] = {}
         # Admission control, per traffic class.

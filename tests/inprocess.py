@@ -90,9 +90,11 @@ def two_pools(realtime: int = 3, batch: int = 2, **routing: Any) -> dict[str, An
 @asynccontextmanager
 async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
                   profile: str = "llama-8b-h200",
-                  handlers: Mapping[str, Handler] | None = None) -> AsyncIterator[Harness]:
+                  handlers: Mapping[str, Handler] | None = None,
+                  tracing: Any = None) -> AsyncIterator[Harness]:
     """Run the gateway on `config`, each replica a simulated engine of its pool's kind (or the
-    handler given for its name), until the block ends."""
+    handler given for its name), until the block ends. `tracing`: a gateway.tracing.Tracing
+    (e.g. with an in-memory exporter)."""
     cfg = parse_config(config)
     upstream = InProcessUpstream()
     harness_sims: dict[str, SimApp] = {}
@@ -108,7 +110,7 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
                 time_scale=time_scale))
             harness_sims[r.name] = sim
             upstream.mount(r.base_url, sim_handler(sim))
-    state = GatewayState(cfg, upstream=upstream)
+    state = GatewayState(cfg, upstream=upstream, tracing=tracing)
     app = GatewayApp(cfg, state)
     await state.start()
     if app.batch is not None:  # what the app's lifespan starts (ASGITransport runs none)

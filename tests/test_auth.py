@@ -118,11 +118,14 @@ async def test_a_key_chooses_only_among_its_classes() -> None:
 
 async def test_admin_needs_the_admin_key_and_metrics_their_token() -> None:
     async with gateway(with_auth()) as gw:
-        for headers in ({}, bearer(ALL), bearer(PROM), bearer("sk-wrong")):
-            r = await gw.http.get("/admin/stats", headers=headers)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/admin/stats", "/admin/history"):
+            for headers in ({}, bearer(ALL), bearer(PROM), bearer("sk-wrong")):
+                r = await gw.http.get(path, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = await gw.http.get("/admin/stats", headers=bearer(ADMIN))
         assert r.status_code == 200 and r.json()["pools"]
+        r = await gw.http.get("/admin/history", headers=bearer(ADMIN))
+        assert r.status_code == 200 and r.json()["interval_s"] == 5.0
         # The page itself holds no data: it loads, and asks the browser for the key.
         page = await gw.http.get("/admin")
         assert page.status_code == 200 and "sessionStorage" in page.text
@@ -135,7 +138,7 @@ async def test_admin_needs_the_admin_key_and_metrics_their_token() -> None:
         for key in (PROM, ADMIN):
             r = await gw.http.get("/metrics", headers=bearer(key))
             assert r.status_code == 200 and "gateway_requests" in r.text
-        assert sample(r.text, "gateway_auth_rejected_total", surface="admin") == 4
+        assert sample(r.text, "gateway_auth_rejected_total", surface="admin") == 8
         assert sample(r.text, "gateway_auth_rejected_total", surface="metrics") == 2
         # /health and /ready stay open: load balancers probe them without keys.
         assert (await gw.http.get("/health")).status_code == 200
@@ -144,8 +147,9 @@ async def test_admin_needs_the_admin_key_and_metrics_their_token() -> None:
 
 async def test_client_keys_without_an_admin_key_close_the_admin_api() -> None:
     async with gateway(with_auth(admin_keys=[], metrics_keys=[])) as gw:
-        r = await gw.http.get("/admin/stats", headers=bearer(ALL))
-        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+        for path in ("/admin/stats", "/admin/history"):
+            r = await gw.http.get(path, headers=bearer(ALL))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
         # Without metrics keys, /metrics stays open (for a scraper on a private network).
         assert (await gw.http.get("/metrics")).status_code == 200
 
