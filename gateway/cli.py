@@ -48,7 +48,7 @@ def with_redis(config: GatewayConfig, url: str | None) -> GatewayConfig:
 
 
 def shown_url(url: str) -> str:
-    from gateway.batch.redis_link import shown_url as without_password  # redis-py: lazily
+    from gateway.redis_link import shown_url as without_password  # redis-py: lazily
 
     return without_password(url)
 
@@ -57,9 +57,11 @@ def redis_banner(config: GatewayConfig) -> str:
     if config.redis is None:
         return ("prefix-gateway: no Redis: the Batch API (/v1/files, /v1/batches) is off; "
                 f"turn it on with --redis-url redis://HOST:6379/0 or {REDIS_ENV}")
+    shared = ("routing state shared with the gateways using it"
+              if config.redis.shared_routing.enabled else "routing state not shared")
     return (f"prefix-gateway: Redis {shown_url(config.redis.url)} in use: the Batch API "
             f"(/v1/files, /v1/batches) is on, its lines run as traffic class "
-            f"{config.batch_class!r}")
+            f"{config.batch_class!r}; {shared}")
 
 
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
@@ -286,8 +288,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas)"
                           for p in config.pools)
         print(f"{args.config}: valid; pools: {pools}; " + (
-            f"Batch API on (Redis {shown_url(config.redis.url)})" if config.redis
-            else "Batch API off (no Redis)"))
+            f"Batch API on (Redis {shown_url(config.redis.url)}), routing state "
+            + ("shared" if config.redis.shared_routing.enabled else "not shared")
+            if config.redis else "Batch API off (no Redis)"))
         return 0
     print(auth_banner(config), flush=True)
     print(redis_banner(config), flush=True)
@@ -476,8 +479,8 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback host without client keys (auth."
                    "allow_unauthenticated): anyone who reaches it may use it")
-    p.add_argument("--redis-url", help=f"Redis for the Batch API, overriding redis.url (also "
-                   f"{REDIS_ENV})")
+    p.add_argument("--redis-url", help=f"Redis for the Batch API, rate limits and routing "
+                   f"state shared between gateways, overriding redis.url (also {REDIS_ENV})")
     common(p, log_level=None)
     p.set_defaults(func=cmd_serve)
 

@@ -387,14 +387,43 @@ class ServerConfig(_Strict):
     )
 
 
+class SharedRoutingConfig(_Strict):
+    """Routing state gateways sharing a Redis share: which prefixes went to which replica,
+    and the load each gateway has put on each replica (docs/operating.md)."""
+
+    enabled: bool = Field(True, description="share routing state through Redis (false: each "
+                          "gateway routes on its own state alone)")
+    flush_interval_s: float = Field(0.025, ge=0.005, le=1.0, description="how often the "
+                                    "prefixes routed since the last flush are written to "
+                                    "Redis, in one pipelined round trip")
+    load_interval_s: float = Field(0.05, ge=0.01, le=5.0, description="how often a gateway "
+                                   "publishes its load per replica (when it changed) and "
+                                   "reads the others'")
+    load_ttl_s: float = Field(3.0, ge=0.1, le=600, description="a gateway's published load "
+                              "older than this is ignored (a gateway that stopped or lost "
+                              "Redis); it republishes unchanged load every third of it")
+    max_queue: int = Field(10_000, ge=100, le=1_000_000, description="prefix inserts waiting "
+                           "to be written; beyond it (Redis slow or away) the oldest are "
+                           "dropped and counted")
+    stream_max_entries: int = Field(10_000, ge=100, le=10_000_000, description="entries "
+                                    "(flushes) each pool's stream keeps in Redis (trimmed "
+                                    "approximately)")
+    resync_inserts: int = Field(4096, ge=0, le=1_000_000, description="a gateway's most "
+                                "recent prefix inserts it keeps to publish again when a peer "
+                                "missed entries (the stream was trimmed past it, or its Redis "
+                                "lost them)")
+
+
 class RedisConfig(_Strict):
-    """Where the Batch API keeps its files, batches, line progress and results."""
+    """Where the Batch API keeps its files, batches, line progress and results, and through
+    which gateways share rate limits and routing state."""
 
     url: str = Field(description="redis://[:password@]host:port/db, rediss://... or "
                      "unix:///path/to/socket")
     key_prefix: str = Field("prefix-gateway:", min_length=1, description="prefix of every "
                             "key the gateway writes, so one Redis can hold several deployments")
     timeout_s: float = Field(5.0, gt=0, description="connect and command timeout")
+    shared_routing: SharedRoutingConfig = Field(default_factory=SharedRoutingConfig)
 
     @field_validator("url")
     @classmethod

@@ -65,7 +65,8 @@ def one_pool_config(replica_urls: list[str], port: int, *, pool: str = "default"
                     health: dict[str, Any] | None = None,
                     server: dict[str, Any] | None = None,
                     pool_settings: dict[str, Any] | None = None,
-                    class_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                    class_settings: dict[str, Any] | None = None,
+                    redis: dict[str, Any] | None = None) -> dict[str, Any]:
     """A config (as a dict, to write as YAML) with one pool and one traffic class.
 
     Tests and benchmarks build their gateways with this, each overriding what it measures;
@@ -88,5 +89,7 @@ def one_pool_config(replica_urls: list[str], port: int, *, pool: str = "default"
     }
     if routing:
         cfg["routing"] = routing
+    if redis:
+        cfg["redis"] = redis
     return cfg
 

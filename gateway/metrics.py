@@ -21,6 +21,9 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                       20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                     160.0, 320.0, 640.0)
+# A flush interval and a round trip (milliseconds) to an outage's backlog (seconds).
+SHARED_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                      0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class GatewayMetrics:
@@ -124,6 +127,20 @@ class GatewayMetrics:
         self.redis_up = GaugeFamily(
             "gateway_redis_up", "1 while the Batch API's Redis answers, 0 while it does not "
             "(absent without a redis section).", ())
+        # Routing state shared with other gateways through Redis (redis.shared_routing).
+        self.shared_up = GaugeFamily(
+            "gateway_shared_state_up", "1 while the Redis that shares routing state between "
+            "gateways answers, 0 while it does not (the gateway then routes on its own state; "
+            "absent when routing state is not shared).", ())
+        self.shared_lag = HistogramFamily(
+            "gateway_shared_state_lag_seconds", "Time from another gateway's routing decision "
+            "to its prefix insert being applied to this gateway's index (the writer's clock "
+            "against this one's).", ("pool",), buckets=SHARED_LAG_BUCKETS)
+        self.shared_inserts = CounterFamily(
+            "gateway_shared_state_inserts", "Prefix inserts shared through Redis, by "
+            "direction: published (this gateway's decisions written), applied (other "
+            "gateways' decisions recorded here), dropped (not written: the queue was full "
+            "while Redis was slow or away).", ("pool", "direction"))
         # Authentication, authorisation and rate limits.
         self.auth_rejected = CounterFamily(
             "gateway_auth_rejected", "Requests refused before routing: unauthenticated (401: "

@@ -89,6 +89,17 @@ class Observer:
     def redis_up(self, up: bool) -> None:
         self.m.redis_up.set((), 1 if up else 0)
 
+    # Routing state shared through Redis ---------------------------------------------------
+
+    def shared_up(self, up: bool) -> None:
+        self.m.shared_up.set((), 1 if up else 0)
+
+    def shared_lag(self, pool: str, seconds: float) -> None:
+        self.m.shared_lag.observe((pool,), seconds)
+
+    def shared_inserts(self, pool: str, direction: str, n: int) -> None:
+        self.m.shared_inserts.inc((pool, direction), n)
+
     # What health checks and scrapes find (backends.health.HealthListener) -------------------
 
     def pools_started(self, pools: list[Pool]) -> None:

@@ -8,10 +8,15 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.auth import ClientKey
 from gateway.config import GatewayConfig, RateLimitConfig
 from gateway.errors import GatewayError
+from gateway.redis_link import UNAVAILABLE, Messages, RedisLink
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 log = logging.getLogger("prefix_gateway.ratelimit")
 
@@ -117,21 +122,19 @@ return {0}
 """
 
 
+_MESSAGES = Messages(
+    log, down="rate limits: Redis at {url} is not reachable ({error}): counting in this "
+    "gateway alone until it is back",
+    back="rate limits: Redis at {url} is reachable again: budgets shared again")
+
+
 class RedisCounter:
     """The windows in Redis: one budget for every gateway sharing the Redis and key prefix."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
-        import redis.asyncio as aioredis
-
-        from gateway.batch.redis_link import UNAVAILABLE, shown_url
-
-        self.unavailable = UNAVAILABLE
-        self.url = shown_url(url)
-        self.prefix = prefix + "ratelimit:"
-        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s,
-                                              socket_connect_timeout=timeout_s)
-        self.script = self.client.register_script(_SCRIPT)
-        self.up: bool | None = None
+    def __init__(self, link: RedisLink) -> None:
+        self.link = link
+        self.prefix = link.prefix + "ratelimit:"
+        self.script = link.client.register_script(_SCRIPT)
 
     async def charge(self, budgets: Sequence[Budget]) -> tuple[float, int] | None:
         """As MemoryCounter.charge; None when Redis cannot be reached."""
@@ -140,17 +143,10 @@ class RedisCounter:
             args += [b.limit, b.cost]
         try:
             out = await self.script(keys=[self.prefix + b.name for b in budgets], args=args)
-        except self.unavailable as exc:
-            if self.up is not False:
-                log.warning("rate limits: Redis at %s is not reachable (%s): counting in this "
-                            "gateway alone until it is back", self.url,
-                            str(exc) or type(exc).__name__)
-                self.up = False
+        except UNAVAILABLE as exc:
+            self.link.mark_down(exc)
             return None
-        if self.up is False:
-            log.warning("rate limits: Redis at %s is reachable again: budgets shared again",
-                        self.url)
-        self.up = True
+        self.link.mark_up()
         if int(out[0]) == 0:
             return 0.0, -1
         cur, prev, fraction, i = float(out[1]), float(out[2]), float(out[3]), int(out[4])
@@ -158,13 +154,14 @@ class RedisCounter:
         return wait_s(b.limit, b.cost, cur, prev, fraction) or 0.001, i
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.link.aclose()
 
 
 class RateLimiter:
     """Charges each request to its key's and its class's budgets, or refuses it with 429."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, client: Redis | None = None) -> None:
+        """`client`: the gateway's Redis client, shared (else the limiter makes its own)."""
         self.classes: dict[str, RateLimitConfig] = dict(config.rate_limits.classes)
         self.default_max_tokens = config.rate_limits.default_max_tokens
         self.active = bool(self.classes) or any(k.limits for k in config.auth.api_keys)
@@ -172,8 +169,8 @@ class RateLimiter:
         self.memory = MemoryCounter()
         self.redis: RedisCounter | None = None
         if config.redis is not None and self.active:
-            self.redis = RedisCounter(config.redis.url, config.redis.key_prefix,
-                                      config.redis.timeout_s)
+            self.redis = RedisCounter(RedisLink(config.redis, client=client,
+                                                messages=_MESSAGES))
 
     def budgets(self, client: ClientKey | None, cls: str,
                 tokens: int) -> list[tuple[Budget, str]]:

@@ -17,6 +17,8 @@ from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.ratelimit import RateLimiter
+from gateway.redis_link import connect
+from gateway.shared_routing import SharedRouting
 from gateway.stats import StatsRecorder
 from gateway.wiring import build_pools
 
@@ -52,7 +54,13 @@ class GatewayState:
             self.observer = self.tracing.observer(self.metrics, self.stats)
             self.admission = self.tracing.admission(config, self.pool_by_name, self.observer)
         self.auth = Authenticator(config)
-        self.limiter = RateLimiter(config)
+        self.redis = connect(config.redis) if config.redis is not None else None
+        """The one Redis client (and connection pool) of the gateway, when configured."""
+        self.shared: SharedRouting | None = None
+        """Routing state shared with the other gateways using the same Redis."""
+        if config.redis is not None and config.redis.shared_routing.enabled:
+            self.shared = SharedRouting(config.redis, self.pools, self.observer, self.redis)
+        self.limiter = RateLimiter(config, self.redis)
         self.models = sorted({m for p in self.pools for m in p.models})
         self.upstream: Upstream = upstream or AiohttpUpstream(
             keepalive_s=config.server.upstream_keepalive_s)
@@ -65,13 +73,19 @@ class GatewayState:
         await self.monitor.check_all()
         self.admission.started()
         self.monitor.start()
+        if self.shared is not None:
+            self.shared.start()
         self.history.start()
 
     async def stop(self) -> None:
         await self.history.stop()
         await self.monitor.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.upstream.aclose()
         await self.limiter.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
         if self.tracing is not None:
             await self.tracing.shutdown()
 

@@ -12,6 +12,10 @@ With --baseline-root DIR, a second gateway runs from the checkout in DIR (its ow
 this one, and every repetition runs direct, baseline and current in a rotating order; the
 table then puts baseline and current side by side with their ratio.
 
+With --shared-state, both gateways run from this checkout with the same Redis: the baseline
+with `redis.shared_routing.enabled: false`, the current one sharing its routing state (what
+sharing adds to the gateway's latency and CPU).
+
 With --admission N, this checkout's gateway runs under admission control (the pool's
 max_inflight_per_replica N, the class's admission defaults); a baseline never does, so
 `--baseline-root . --admission N` measures what admission control costs.
@@ -27,6 +31,7 @@ latency each adds.
     python -m loadtests.overhead --baseline-root ../old   # A/B against another checkout
     python -m loadtests.overhead --baseline-root . --admission 64   # admission's own cost
     python -m loadtests.overhead --sglang   # against the SGLang router, in the same run
+    python -m loadtests.overhead --shared-state   # shared routing state through Redis
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.fleet import REPO, Fleet, use_uvloop
 from loadtests.report import cell, span
@@ -70,16 +77,18 @@ def pin_self(core: int) -> None:
 def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
                   internal_stream: bool = True, root: Path = REPO,
                   policy: str = "prefix_affinity",
-                  admission: int | None = None) -> tuple[subprocess.Popen, str]:
+                  admission: int | None = None,
+                  redis: dict | None = None) -> tuple[subprocess.Popen, str]:
     """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
-    from; `admission`, a max_inflight_per_replica that puts it under admission control."""
+    from; `admission`, a max_inflight_per_replica that puts it under admission control;
+    `redis`, its `redis` section."""
     pool = {"max_inflight_per_replica": admission} if admission else None
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
                                     server=None if internal_stream
                                     else {"non_streaming_ttft": False},
-                                    pool_settings=pool)
+                                    pool_settings=pool, redis=redis)
     return proc, url
 
 
@@ -242,16 +251,32 @@ def start_sglang(f: Fleet, urls: list[str]):
 @contextlib.contextmanager
 def fleet(count: int, internal_stream: bool = True,
           baseline_root: Path | None = None, admission: int | None = None,
-          sglang: bool = False) -> Iterator[dict]:
+          sglang: bool = False, shared_state: bool = False) -> Iterator[dict]:
     """Stubs and a gateway in front of them (and one from `baseline_root`, and the SGLang
-    router, when asked), all on the server core; stopped on exit."""
+    router, when asked), all on the server core; stopped on exit. `shared_state`: both
+    gateways use one Redis, only the current one shares its routing state through it."""
     with Fleet() as f:
         stub, urls = f.start_stubs(count, core=SERVER_CORE)
+        redis_url = f.start_redis() if shared_state else None
         gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream,
-                                   admission=admission)
+                                   admission=admission,
+                                   redis={"url": redis_url, "key_prefix": "current:"}
+                                   if redis_url else None)
         out = {"stub": stub, "urls": urls, "gateway": gw, "gateway_url": gw_url}
+        if redis_url:
+            # A second gateway sharing the current one's state, with no traffic of its own:
+            # it applies the current one's inserts and measures their lag (on the load
+            # generator's core, so that the server core measures the current gateway alone).
+            peer_url, _ = f.start_gateway(
+                urls, "peer", deadline_s=30, core=CLIENT_CORE, pool="main",
+                replica_prefix="stub", routing={"policy": "prefix_affinity"},
+                redis={"url": redis_url, "key_prefix": "current:"})
+            out["peer_url"] = peer_url
         if baseline_root is not None:
-            base, base_url = start_gateway(f, urls, "baseline", root=baseline_root)
+            base, base_url = start_gateway(
+                f, urls, "baseline", root=baseline_root,
+                redis={"url": redis_url, "key_prefix": "baseline:",
+                       "shared_routing": {"enabled": False}} if redis_url else None)
             out.update(baseline=base, baseline_url=base_url)
         handle = start_sglang(f, urls) if sglang else None
         try:
@@ -299,7 +324,8 @@ def measure(args: argparse.Namespace) -> dict:
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
     with fleet(args.replicas, not args.no_internal_stream, baseline_root,
-               args.admission, getattr(args, "sglang", False)) as f:
+               args.admission, getattr(args, "sglang", False),
+               getattr(args, "shared_state", False)) as f:
         stub_pid = f["stub"].pid
         # name: (URLs round robin, PIDs whose CPU counts, the router's PID or None).
         # Direct: the load generator talks to the stubs itself, round robin over them.
@@ -346,7 +372,31 @@ def measure(args: argparse.Namespace) -> dict:
                           file=sys.stderr, flush=True)
 
                 interleave(args.reps, list(targets), run_open)
+        if "peer_url" in f:
+            try:
+                results["shared_lag"] = shared_lag(f["peer_url"])
+            except OSError as exc:  # the figures measured so far still count
+                print(f"  shared state lag: the peer did not answer ({exc})", file=sys.stderr)
     return results
+
+
+def shared_lag(url: str) -> dict:
+    """The lag histogram of a gateway sharing routing state: its count and quantiles (each
+    the upper bound of the bucket it falls in), in milliseconds."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    buckets: list[tuple[float, float]] = []
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "gateway_shared_state_lag_seconds_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0.0
+    out: dict = {"count": int(total)}
+    for q in (0.5, 0.9, 0.99, 0.999):
+        le = next((b for b, n in buckets if total and n >= q * total), None)
+        out[f"p{q * 100:g}_ms"] = None if le is None else 1000 * le
+    return out
 
 
 def _run_sync(fn, urls: list[str], bodies: list[bytes], stream: bool, *rest) -> Run:
@@ -498,7 +548,11 @@ def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
                f"{args.admission})" if getattr(args, "admission", None) else "current gateway")
     sglang = any("sglang" in row for row in rows)
     targets = [*AB_GATEWAYS, "sglang"] if sglang else list(AB_GATEWAYS)
-    lines = [f"\nbaseline ({args.baseline_root}) vs {current}"
+    base = f"baseline ({args.baseline_root})"
+    if getattr(args, "shared_state", False):
+        base, current = ("baseline (Redis, routing state not shared)",
+                         "current (Redis, routing state shared)")
+    lines = [f"\n{base} vs {current}"
              f"{' vs the SGLang router' if sglang else ''}; closed loop c="
              f"{args.concurrency}, open loop at each rate; {args.duration:g}s x {args.reps} reps "
              "interleaved with direct (median [min..max]; added = gateway - direct per rep)",
@@ -523,6 +577,12 @@ def format_ab_table(rows: list[dict], args: argparse.Namespace) -> str:
     errors = {gw: sum(r["errors"][gw] for r in rows if r["metric"] == "req/s")
               for gw in targets}
     lines.append("errors: " + ", ".join(f"{gw} {n}" for gw, n in errors.items()))
+    lag = getattr(args, "lag", None)
+    if lag:
+        shown = ", ".join(f"{k[:-3]} <= {v:g} ms" for k, v in lag.items()
+                          if k != "count" and v is not None)
+        lines.append(f"shared state lag (decision on the current gateway to applied on a "
+                     f"peer), {lag['count']} inserts: {shown}")
     return "\n".join(lines)
 
 
@@ -549,7 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--admission", type=int, metavar="N",
                     help="run this checkout's gateway under admission control, with "
                          "max_inflight_per_replica N (a baseline runs without)")
+    ap.add_argument("--shared-state", action="store_true",
+                    help="compare this checkout with and without shared routing state, both "
+                         "with the same Redis (implies --baseline-root .)")
     args = ap.parse_args(argv)
+    if args.shared_state:
+        if args.baseline_root is not None:
+            ap.error("--shared-state runs both gateways from this checkout: no --baseline-root")
+        args.baseline_root = REPO
     if args.admission is not None and args.admission < 1:
         ap.error("--admission must be at least 1")
     if args.reps < 1 or args.duration <= 0:
@@ -559,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_self(CLIENT_CORE)
     use_uvloop()
     res = measure(args)
+    args.lag = res.get("shared_lag")
     if args.baseline_root:
         rows = summarise_ab(res)
         if args.json:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from routing.steps import StepTimer
 from routing.types import ReplicaView
 
@@ -15,12 +17,21 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("inflight", "pending_prefill", "steps")
+    __slots__ = ("inflight", "pending_prefill", "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s)
+        self.remote: dict[str, tuple[int, float]] = {}
+        """Replica -> (in flight, pending prefill tokens) that other gateways sharing this
+        one's routing state report having put there; added to this gateway's own counts in
+        `view`, never to `inflight` or `pending_prefill` (what this gateway must finish)."""
+
+    def set_remote(self, loads: Mapping[str, tuple[int, float]]) -> None:
+        """Replace the other gateways' load with `loads` (replicas absent: none)."""
+        self.remote = {r: (max(0, int(n)), max(0.0, float(p)))
+                       for r, (n, p) in loads.items() if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float) -> None:
         self.inflight[replica] = self.inflight.get(replica, 0) + 1
@@ -56,9 +67,15 @@ class LoadTracker:
         wait = 0.0
         if now is not None and self.inflight.get(replica):
             wait = self.steps.rate * self.steps.remaining(replica, now)
+        inflight = self.inflight.get(replica, 0)
+        pending = self.pending_prefill.get(replica, 0.0)
+        if self.remote:
+            n, p = self.remote.get(replica, (0, 0.0))
+            inflight += n
+            pending += p
         return ReplicaView(
             name=replica,
-            inflight=self.inflight.get(replica, 0),
-            pending_prefill_tokens=self.pending_prefill.get(replica, 0.0),
+            inflight=inflight,
+            pending_prefill_tokens=pending,
             step_wait_tokens=wait,
         )

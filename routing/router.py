@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from routing.hashing import char_block_hashes, key_hash
 from routing.load import LoadTracker
@@ -45,6 +45,9 @@ class Router:
         self.default_capacity = index_capacity_blocks
         self.load = LoadTracker(prefill_tokens_per_s)
         self.indexes: dict[str, PrefixIndex] = {}
+        self.on_record: Callable[[str, Sequence[int]], None] | None = None
+        """Told of every prefix this router records as sent (first choices and retries), after
+        its own index has it: how the gateway shares its decisions with other gateways."""
         for name in replicas:
             self.add_replica(name)
 
@@ -132,6 +135,35 @@ class Router:
         index = self.indexes.get(replica)
         if index is not None and hashes:
             index.insert(hashes)
+            if self.on_record is not None:
+                self.on_record(replica, hashes)
+
+    # What other gateways decided (shared routing state) --------------------------------------
+
+    def apply_remote_inserts(self, inserts: Iterable[tuple[str, Sequence[int]]]) -> int:
+        """Record prefixes other gateways sent to replicas of this pool, as if routed here
+        (no policy hook, no `on_record`: they are not this router's decisions). Replicas this
+        router does not know (removed, or not in its configuration) are skipped. Returns the
+        inserts applied."""
+        applied = 0
+        indexes = self.indexes
+        for replica, hashes in inserts:
+            index = indexes.get(replica)
+            if index is not None and hashes:
+                index.insert(hashes)
+                applied += 1
+        return applied
+
+    def apply_remote_load(self, loads: Mapping[str, tuple[int, float]]) -> None:
+        """The load other gateways have put on each replica now: replica -> (requests in
+        flight, pending prefill tokens), replacing what they reported before. Routing sees
+        the sum of theirs and this router's own; `load.inflight` stays this router's own."""
+        before = self.load.remote
+        self.load.set_remote(loads)
+        if self._tell_load:
+            for replica in set(before) | set(self.load.remote):
+                if replica in self.indexes:
+                    self._load_update(replica)
 
     # A request's life after the decision ---------------------------------------------------
 
@@ -161,5 +193,6 @@ class Router:
 
     def _load_update(self, replica: str) -> None:
         load = self.load
-        self.policy.on_load_update(replica, load.inflight.get(replica, 0),
-                                   load.pending_prefill.get(replica, 0.0))
+        n, p = load.remote.get(replica, (0, 0.0))
+        self.policy.on_load_update(replica, load.inflight.get(replica, 0) + n,
+                                   load.pending_prefill.get(replica, 0.0) + p)

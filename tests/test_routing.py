@@ -344,3 +344,58 @@ def test_a_removed_replica_keeps_no_prefix_and_its_load_goes_when_forgotten() ->
     again = router.route(router.request_from_text(chat_text(system_prompt(7), "q2")),
                          idle(others))
     assert again.replica in others and again.reason == REASON_COLD
+
+
+# Shared routing state: what other gateways decided, applied by pure methods ---------------
+
+
+def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
+    a, b = make_router(), make_router()
+    recorded: list[tuple[str, list[int]]] = []
+    a.on_record = lambda replica, hashes: recorded.append((replica, list(hashes)))
+    text = chat_text(system_prompt(7), "q")
+    # A warm prefix on a non-home replica: b, which never saw it, would route it elsewhere.
+    home = a.route(a.request_from_text(text), idle()).replica
+    other = next(n for n in REPLICAS if n != home)
+    a.route(a.request_from_text(chat_text(system_prompt(7), "r")),
+            [ReplicaView(name=other)])
+    assert [r for r, _ in recorded] == [home, other]
+    assert b.matched_blocks(other, recorded[1][1]) == 0
+    applied = b.apply_remote_inserts([*recorded, ("gone", recorded[0][1]), (home, [])])
+    assert applied == 2  # the unknown replica and the empty chain are skipped
+    # b now holds what a recorded, on both replicas, without telling its own listener.
+    seen: list[str] = []
+    b.on_record = lambda replica, hashes: seen.append(replica)
+    assert b.matched_blocks(other, recorded[1][1]) == len(recorded[1][1])
+    d = b.route(b.request_from_text(chat_text(system_prompt(7), "s")),
+                [ReplicaView(name=other), ReplicaView(name="r9")])
+    assert d.replica == other and d.reason == REASON_AFFINITY
+    assert seen == [other]  # b's own decision is told; the applied inserts were not
+
+
+def test_remote_load_adds_to_the_view_but_not_to_own_counts() -> None:
+    router = make_router(load_factor=100.0)
+    router.load.dispatched("r0", 100.0)
+    router.apply_remote_load({"r0": (3, 500.0), "r1": (2, 0.0), "r2": (0, 0.0)})
+    v0, v1, v2 = (router.load.view(n) for n in ("r0", "r1", "r2"))
+    assert (v0.inflight, v0.pending_prefill_tokens) == (4, 600.0)
+    assert (v1.inflight, v1.pending_prefill_tokens) == (2, 0.0)
+    assert (v2.inflight, v2.pending_prefill_tokens) == (0, 0.0)
+    # What this gateway itself must finish (drain waits on it) is its own count only.
+    assert router.load.inflight == {"r0": 1}
+    # A new report replaces the previous one entirely.
+    router.apply_remote_load({"r1": (1, 10.0)})
+    assert router.load.view("r0").inflight == 1
+    assert router.load.view("r1").pending_prefill_tokens == 10.0
+
+
+def test_remote_load_pushes_new_work_elsewhere() -> None:
+    router = make_router(load_factor=100.0)
+    text = chat_text(system_prompt(8), "a")
+    home = router.route(router.request_from_text(text), idle()).replica
+    # Other gateways have queued a large prefill on this router's home replica.
+    router.apply_remote_load({home: (1, 50_000.0)})
+    for i in range(10):
+        req = router.request_from_text(chat_text(system_prompt(400 + i), "b"))
+        views = [router.load.view(n) for n in REPLICAS]
+        assert router.route(req, views).replica != home

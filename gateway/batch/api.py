@@ -13,11 +13,11 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException
 
 from gateway.auth import CLIENT_SCOPE, class_not_allowed
-from gateway.batch.redis_link import UNAVAILABLE
 from gateway.batch.service import BatchService
 from gateway.batch.shapes import batch_object
 from gateway.batch.store import TERMINAL, new_batch_id, now_s
 from gateway.errors import GatewayError, bad_request
+from gateway.redis_link import UNAVAILABLE
 
 # Multipart framing around the file: boundaries, part headers, the purpose field.
 _FORM_SLACK = 64 * 1024

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from gateway.batch.redis_link import RedisLink
+from gateway.redis_link import RedisLink
 
 PURPOSES = ("batch", "batch_output")
 

@@ -25,11 +25,11 @@ from gateway.batch.execute import LineExecutor
 from gateway.batch.files import FileStore
 from gateway.batch.lifecycle import finalize, validate
 from gateway.batch.lines import ENDPOINTS, response_line
-from gateway.batch.redis_link import UNAVAILABLE, RedisLink
 from gateway.batch.store import TERMINAL, BatchStore, Claimed, now_s
 from gateway.config import BatchConfig
 from gateway.core import RequestCore
 from gateway.observe import Observer
+from gateway.redis_link import UNAVAILABLE, RedisLink
 
 log = logging.getLogger("prefix_gateway.batch")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from gateway.batch.files import FileStore
-from gateway.batch.redis_link import RedisLink
 from gateway.batch.runner import BatchRunner
 from gateway.batch.store import BatchStore
 from gateway.core import RequestCore
+from gateway.redis_link import RedisLink
 
 
 class BatchService:
@@ -19,7 +19,8 @@ class BatchService:
         config = state.config
         assert config.redis is not None
         self.config = config.batch
-        self.link = RedisLink(config.redis, on_change=state.observer.redis_up)
+        self.link = RedisLink(config.redis, on_change=state.observer.redis_up,
+                              client=state.redis)
         self.files = FileStore(self.link)
         self.store = BatchStore(self.link)
         cls = config.batch_class

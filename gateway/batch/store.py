@@ -25,7 +25,7 @@ import orjson
 from redis.exceptions import WatchError
 
 from gateway.batch import scripts
-from gateway.batch.redis_link import RedisLink
+from gateway.redis_link import RedisLink
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 

@@ -1,0 +1,321 @@
+"""Gateways sharing one Redis route as one: a prefix warmed through one gateway is routed to
+the same replica by another, each sees the load the other put on the replicas, and when
+Redis goes away they keep serving on their own state and converge again once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from routing.types import ReplicaView
+from tests.conftest import eventually, poll, start_gateways, start_sims, tenant_prompt
+from tests.inprocess import Harness, gateway, two_pools
+from tests.redis_server import RedisServer
+
+SHARED = "prefix_gateway.shared"
+
+
+def shared_config(redis: dict[str, Any], **shared: Any) -> dict[str, Any]:
+    config = two_pools(realtime=4)
+    config["redis"] = {**redis, "shared_routing": {"flush_interval_s": 0.01,
+                                                   "load_interval_s": 0.02, **shared}}
+    return config
+
+
+def chat(system: str, user: str = "hello") -> dict[str, Any]:
+    return {"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}
+
+
+def hashes_of(gw: Harness, body: dict[str, Any]) -> list[int]:
+    from routing.prompt import render_chat
+
+    return gw.app.state.pool_by_name["realtime"].router.request_from_text(
+        render_chat(body)).hashes
+
+
+def warm_elsewhere(gw: Harness, body: dict[str, Any]) -> str:
+    """Route `body`'s prefix on `gw` to a replica other than its cold home, as load would
+    have made it (through the router, exactly as a request's decision records it)."""
+    from routing.prompt import render_chat
+
+    router = gw.app.state.pool_by_name["realtime"].router
+    request = router.request_from_text(render_chat(body))
+    home = router.policy.choose(request, [ReplicaView(name=n) for n in router.indexes],
+                                router).replica
+    other = next(n for n in sorted(router.indexes) if n != home)
+    assert router.route(request, [ReplicaView(name=other)]).replica == other
+    return other
+
+
+async def metric(gw: Harness, name: str, **labels: str) -> float | None:
+    for s in await gw.metrics():
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return None
+
+
+def requests_by_replica(stats: dict[str, Any]) -> dict[str, int]:
+    return {r["name"]: r["requests"] for p in stats["pools"] for r in p["replicas"]}
+
+
+async def served_by(gw: Harness, body: dict[str, Any]) -> str:
+    """Send `body` through `gw`; the replica whose count of answered requests rose."""
+    before = requests_by_replica(await gw.stats())
+    r = await gw.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    after = requests_by_replica(await gw.stats())
+    rose = [name for name, n in after.items() if n > before.get(name, 0)]
+    assert len(rose) == 1, (before, after)
+    return rose[0]
+
+
+async def test_a_prefix_warmed_on_one_gateway_is_routed_there_by_the_other(
+        redis_server: RedisServer) -> None:
+    config = shared_config(redis_server.config())
+    async with gateway(config) as a, gateway(config) as b:
+        await eventually(lambda: metric(b, "gateway_shared_state_up"))
+        body = chat(tenant_prompt(1))
+        # Warmed through A on a replica that is not the prefix's cold home: B, which never
+        # saw it, would send it home; once A's insert reaches B it follows A.
+        replica = warm_elsewhere(a, body)
+        hashes = hashes_of(b, body)
+        router_b = b.app.state.pool_by_name["realtime"].router
+        await eventually(lambda: router_b.matched_blocks(replica, hashes) == len(hashes))
+        assert await served_by(b, body) == replica
+        # And through HTTP: what A routes, B learns.
+        body2 = chat(tenant_prompt(2))
+        first = await served_by(a, body2)
+        h2 = hashes_of(b, body2)
+        await eventually(lambda: router_b.matched_blocks(first, h2) == len(h2))
+        # A's request is over: once B knows (its load on `first` reached B too), B follows.
+        await eventually(lambda: not router_b.load.remote)
+        assert await served_by(b, body2) == first
+        # Each applies what the other published (B's two decisions reach A in time), and
+        # none of its own.
+        async def inserts(gw: Harness, direction: str) -> float:
+            return await metric(gw, "gateway_shared_state_inserts_total", pool="realtime",
+                                direction=direction) or 0
+
+        for gw in (a, b):
+            await eventually(lambda gw=gw: _is(inserts(gw, "published"), 2))
+            await eventually(lambda gw=gw: _is(inserts(gw, "applied"), 2))
+        assert [await inserts(gw, "applied") for gw in (a, b)] == [2, 2]  # nothing twice
+        lag = await metric(b, "gateway_shared_state_lag_seconds_count", pool="realtime")
+        assert lag is not None and lag >= 2
+
+
+async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServer) -> None:
+    config = shared_config(redis_server.config())
+    async with gateway(config) as a, gateway(config) as b:
+        load_a = a.app.state.pool_by_name["realtime"].router.load
+        router_b = b.app.state.pool_by_name["realtime"].router
+        # What an attempt books on dispatch: three requests and their prefill on rt-2.
+        for _ in range(3):
+            load_a.dispatched("rt-2", 1000.0)
+        await eventually(lambda: router_b.load.view("rt-2").inflight == 3)
+        view = router_b.load.view("rt-2")
+        assert view.pending_prefill_tokens == 3000.0
+        assert router_b.load.inflight.get("rt-2", 0) == 0  # not B's own to finish
+        # B's decisions see it: a cold prefix whose home is rt-2 goes elsewhere.
+        load_a.first_token("rt-2", 3000.0)
+        for _ in range(3):
+            load_a.finished("rt-2", 0.0, True)
+        await eventually(lambda: router_b.load.view("rt-2").inflight == 0)
+        assert router_b.load.view("rt-2").pending_prefill_tokens == 0.0
+
+
+async def test_redis_killed_and_restarted_mid_run(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=SHARED)
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    config = shared_config(server.config())
+    failures: list[str] = []
+    sent = 0
+    try:
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(gateway(config))
+            b = await stack.enter_async_context(gateway(config))
+            for gw in (a, b):
+                await eventually(lambda gw=gw: metric(gw, "gateway_shared_state_up"))
+            stop = asyncio.Event()
+
+            async def traffic(gw: Harness, tenant: int) -> None:
+                nonlocal sent
+                i = 0
+                while not stop.is_set():
+                    r = await gw.http.post("/v1/chat/completions",
+                                           json=chat(tenant_prompt(tenant + i % 5), f"q{i}"))
+                    sent += 1
+                    if r.status_code != 200:
+                        failures.append(f"{r.status_code} {r.text[:200]}")
+                    i += 1
+
+            load = [asyncio.create_task(traffic(a, 10)), asyncio.create_task(traffic(b, 20))]
+            # However the test ends, the traffic stops (callbacks run last pushed first).
+            stack.push_async_callback(asyncio.gather, *load, return_exceptions=True)
+            stack.callback(stop.set)
+            await eventually(lambda: sent >= 10)
+            server.stop()
+            for gw in (a, b):
+                await eventually(lambda gw=gw: _is(metric(gw, "gateway_shared_state_up"), 0))
+            before = sent
+            await eventually(lambda: sent >= before + 20)  # served meanwhile, on local state
+            # A prefix warmed on A while Redis is away: B cannot know it yet.
+            body = chat(tenant_prompt(99))
+            replica = warm_elsewhere(a, body)
+            hashes = hashes_of(b, body)
+            router_b = b.app.state.pool_by_name["realtime"].router
+            assert router_b.matched_blocks(replica, hashes) == 0
+            server.start()
+            for gw in (a, b):
+                await eventually(lambda gw=gw: _is(metric(gw, "gateway_shared_state_up"), 1))
+            await eventually(lambda: router_b.matched_blocks(replica, hashes) == len(hashes))
+            stop.set()
+            await asyncio.gather(*load)
+            # Alone now (and A's load on it over): B sends the prefix where A did.
+            await eventually(lambda: not router_b.load.remote)
+            assert await served_by(b, body) == replica
+    finally:
+        server.stop()
+    assert not failures, failures[:5]
+    assert sent > before + 20
+    logged = [r.getMessage() for r in caplog.records if r.name == SHARED]
+    # Once per gateway that it went, once that it came back: not per failed command.
+    assert sum("does not answer now" in m for m in logged) == 2, logged
+    assert sum("answers again" in m for m in logged) == 2, logged
+
+
+async def _is(value: Any, expected: float) -> bool:
+    return (await value) == expected
+
+
+async def test_sharing_off_keeps_each_gateway_to_its_own_state(
+        redis_server: RedisServer) -> None:
+    config = shared_config(redis_server.config(), enabled=False)
+    async with gateway(config) as a, gateway(config) as b:
+        assert a.app.state.shared is None
+        assert a.app.state.pool_by_name["realtime"].router.on_record is None
+        body = chat(tenant_prompt(3))
+        replica = warm_elsewhere(a, body)
+        # Give a sharing gateway's flush many times over (then check nothing came).
+        await b.http.get("/health")
+        await asyncio.sleep(0.2)
+        router_b = b.app.state.pool_by_name["realtime"].router
+        assert router_b.matched_blocks(replica, hashes_of(b, body)) == 0
+        assert await metric(b, "gateway_shared_state_up") is None
+
+
+def test_serve_processes_share_routing_through_redis(redis_server: RedisServer,
+                                                     tmp_path: Path) -> None:
+    from gateway import processes
+    from tests.conftest import two_pool_config
+
+    sims = start_sims(["vllm"] * 4 + ["trtllm"], tmp_path)
+    try:
+        ports = processes.free_ports(2)
+        redis = {**redis_server.config(), "shared_routing": {"flush_interval_s": 0.01}}
+        configs = {}
+        for name, port in zip(("a", "b"), ports, strict=True):
+            c = two_pool_config(sims.urls[:4], sims.urls[4:], port)
+            c["redis"] = redis
+            configs[name] = c
+        a, b = start_gateways(configs, tmp_path)
+        try:
+            with httpx.Client(timeout=30) as http:
+                poll(lambda: "gateway_shared_state_up 1.0" in http.get(b.url + "/metrics").text)
+                for i in range(8):
+                    body = chat(tenant_prompt(50 + i))
+                    assert http.post(a.url + "/v1/chat/completions",
+                                     json=body).status_code == 200
+                    # Once A's inserts reached B, B sends the same prefix where A did.
+                    poll(lambda i=i: _applied(http, b.url) >= i + 1)
+                    poll(lambda: not any(  # and that A's request is over
+                        r["other_gateways_inflight"]
+                        for p in http.get(b.url + "/admin/stats").json()["pools"]
+                        for r in p["replicas"]))
+                    assert http.post(b.url + "/v1/chat/completions",
+                                     json=body).status_code == 200
+                # Each gateway sent the same prefixes to the same replicas.
+                assert requests_by_replica(http.get(a.url + "/admin/stats").json()) == \
+                    requests_by_replica(http.get(b.url + "/admin/stats").json())
+                # B found every prefix A had sent in its index: none was cold to it.
+                pools = http.get(b.url + "/admin/stats").json()["pools"]
+                assert pools[0]["decisions_by_reason"] == {"affinity": 8}, pools[0]
+        finally:
+            a.stop()
+            b.stop()
+    finally:
+        sims.stop()
+
+
+def _applied(http: httpx.Client, url: str) -> float:
+    """Prefix inserts of other gateways the gateway at `url` applied."""
+    text = http.get(url + "/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "gateway_shared_state_inserts_total"
+               and s.labels == {"pool": "realtime", "direction": "applied"})
+
+
+async def test_a_gateway_that_missed_entries_asks_and_the_others_publish_again(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The resync after an outage, step by step (each tick by hand, no background task): B
+    comes back to a stream trimmed past the last entry it read."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from backends.upstream.inprocess import InProcessUpstream
+    from gateway.config import parse_config
+    from gateway.state import GatewayState
+
+    caplog.set_level(logging.INFO, logger=SHARED)
+    config = parse_config(shared_config(redis_server.config()))
+    a, b = (GatewayState(config, upstream=InProcessUpstream()) for _ in range(2))
+    try:
+        sa, sb = a.shared, b.shared
+        assert sa is not None and sb is not None
+        stream = sa.streams["realtime"]
+        router_a = a.pool_by_name["realtime"].router
+        router_b = b.pool_by_name["realtime"].router
+        from routing.prompt import render_chat
+
+        request = router_a.request_from_text(render_chat(chat(tenant_prompt(5))))
+        router_a.route(request, [ReplicaView(name="rt-3")])
+        await sa.tick(True)
+        await sb.tick(True)  # B reads it in its turn: it follows the stream
+        assert router_b.matched_blocks("rt-3", request.hashes) == len(request.hashes)
+        # A decides again; before B reads it, B loses Redis and the stream is trimmed past
+        # what B read (a peer far ahead, a small stream_max_entries).
+        later = router_a.request_from_text(render_chat(chat(tenant_prompt(6))))
+        router_a.route(later, [ReplicaView(name="rt-2")])
+        await sa.tick(False)
+        sb.link.mark_down(RedisConnectionError("test"))
+        await a.redis.xtrim(stream, maxlen=0, approximate=False)
+        count_before = sum(b.metrics.shared_lag.rows[("realtime",)][:-1])
+        assert count_before == 1  # A's first decision, read by B in order
+        await sb._ask_if_missed()  # what its tick does first, once Redis answers again
+        assert not sb._check_gap
+        await sb.tick(False)
+        assert router_b.matched_blocks("rt-2", later.hashes) == 0  # lost with the stream
+        await sa.tick(False)  # A reads B's request...
+        await sa.tick(False)  # ...and publishes its recent inserts again
+        await sb.tick(False)
+        assert router_b.matched_blocks("rt-2", later.hashes) == len(later.hashes)
+        logged = [r.getMessage() for r in caplog.records if r.name == SHARED]
+        assert any("asking the other gateways to publish theirs again" in m for m in logged)
+        assert any("publishing this one's 2 most recent prefix inserts again" in m
+                   for m in logged)
+        # Published again is not a decision's lag: the histogram did not count it.
+        assert sum(b.metrics.shared_lag.rows[("realtime",)][:-1]) == count_before
+    finally:
+        for state in (a, b):
+            await state.shared.stop()
+            await state.redis.aclose()
