@@ -24,6 +24,7 @@ from gateway.batch import api as batch_api
 from gateway.batch.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.core import RequestCore, error_reply
+from gateway.discovery import Discovery, Resolver
 from gateway.edge import InferenceEndpoint, send_reply
 from gateway.errors import GatewayError
 from gateway.fleet import Fleet
@@ -40,7 +41,8 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
 
 
 def build_admin(state: GatewayState, batch: BatchService | None = None,
-                fleet: Fleet | None = None, reloader: Reloader | None = None) -> FastAPI:
+                fleet: Fleet | None = None, reloader: Reloader | None = None,
+                discovery: Discovery | None = None) -> FastAPI:
     """Health, readiness, models, metrics and stats, the replicas, and the Batch API: where
     FastAPI's conveniences pay."""
     fleet = fleet or Fleet(state)
@@ -48,6 +50,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        if discovery is not None:
+            await discovery.start()
         if batch is not None:
             await batch.start()
         watch = None
@@ -67,6 +71,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
+            if discovery is not None:
+                await discovery.stop()
             await fleet.stop()
             if batch is not None:
                 await batch.stop()
@@ -212,15 +218,19 @@ class GatewayApp:
     """
 
     def __init__(self, config: GatewayConfig, state: GatewayState | None = None,
-                 reloader: Callable[[Fleet], Reloader] | None = None) -> None:
+                 reloader: Callable[[Fleet], Reloader] | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.state = state or GatewayState(config)
         self.core = RequestCore(self.state)
         # The Batch API runs only with Redis; without it its routes say how to turn it on.
         self.batch = BatchService(self.core) if config.redis is not None else None
         self.fleet = Fleet(self.state)
         """Replicas joining and leaving while it runs (the admin API, reloads)."""
+        self.discovery = Discovery(self.fleet, resolver)
+        """Replicas found by DNS or Kubernetes EndpointSlices (`resolver`: DNS's)."""
         self.reloader = reloader(self.fleet) if reloader is not None else None
-        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader)
+        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader,
+                                 self.discovery)
         auth = self.state.auth
         self.guarded = auth.client_required or auth.admin_required or auth.metrics_required
         """Some route needs a key: an open gateway classifies no path per request."""
