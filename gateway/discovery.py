@@ -179,6 +179,8 @@ class KubernetesSource(Source):
         self._stop = threading.Event()
         self._watch: Any = None
         self._problems: set[str] = set()
+        self._events = 0
+        """Events the current watch delivered."""
         self._thread = threading.Thread(target=self._run, args=(asyncio.get_running_loop(),),
                                         name=f"discovery-{self.pool.name}", daemon=True)
         self._thread.start()
@@ -211,6 +213,9 @@ class KubernetesSource(Source):
         namespace = k8s.namespace or own_namespace()
         api = None
         backoff = 1.0
+        expired = 0
+        """Watches in a row that expired before any event: past the first, wait as after
+        a failure (a server that keeps saying 410 is not listed in a tight loop)."""
         while not self._stop.is_set():
             try:
                 if api is None:
@@ -219,12 +224,18 @@ class KubernetesSource(Source):
                 version = self._list(api, namespace, slices)
                 self._deliver(loop, slices)
                 backoff = 1.0
+                self._events = 0
                 self._follow(api, namespace, version, slices, loop)
-                continue  # the watch ended (resync_s) or expired (410): list again
+                expired = 0
+                continue  # the watch ended (resync_s): list again
             except ApiException as exc:
                 if exc.status == 410:
                     log.info("discovery (kubernetes) of pool %s: the watch expired (410 "
                              "Gone); listing again", self.pool.name)
+                    expired = 1 if self._events else expired + 1
+                    if expired > 1:
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, BACKOFF_MAX_S)
                     continue
                 why = f"HTTP {exc.status} {exc.reason}".strip()
             except Exception as exc:  # unreachable server, bad kubeconfig, ...
@@ -266,6 +277,7 @@ class KubernetesSource(Source):
 
     def _follow(self, api: Any, namespace: str, version: str,
                 slices: dict[str, dict[str, Any]], loop: asyncio.AbstractEventLoop) -> None:
+        """Follow the watch until it ends (raises ApiException 410 if it expires)."""
         from kubernetes import watch
 
         k8s = self.config.kubernetes
@@ -287,6 +299,7 @@ class KubernetesSource(Source):
                     slices.pop(name, None)
                 else:
                     continue  # BOOKMARK
+                self._events += 1
                 self._deliver(loop, slices)
         finally:
             self._watch = None

@@ -142,12 +142,12 @@ class FakeKubeApi:
 
     def expire(self) -> None:
         """Compact the history: open watches get 410 Gone, and so does a watch from any
-        resourceVersion given out so far."""
+        resourceVersion older than the current one."""
         with self.lock:
-            self.oldest = self.version + 1
+            self.oldest = self.version  # a list now gives this version: watchable
             gone = json.dumps({"type": "ERROR", "object": status(
-                410, "Expired", f"too old resource version: {self.version} "
-                f"({self.version + 1})")})
+                410, "Expired", f"too old resource version: {self.version - 1} "
+                f"({self.version})")})
             for w in self.watches:
                 w.events.put(gone)
                 w.events.put(_CLOSE)
