@@ -157,6 +157,8 @@ class DnsSource(Source):
                 self.failed(f"{dns.name}: no answer within {dns.timeout_s:g} s")
             except OSError as exc:
                 self.failed(f"{dns.name}: {exc.strerror or exc}")
+            except Exception as exc:  # a resolver's own bug: a failed round, not a dead task
+                self.failed(f"{dns.name}: {type(exc).__name__}: {exc}")
             else:
                 if addresses:
                     self.found({(a, dns.port): True for a in addresses})

@@ -313,3 +313,53 @@ def test_the_port_is_chosen_by_name() -> None:
     assert slice_endpoints([_slice(ep, unnamed)], "")[0] == {("10.0.0.1", 8001): True}
     found, problems = slice_endpoints([_slice(ep, [{"name": "http"}])], "http")
     assert found == {} and "no number" in problems[0]
+
+
+# `prefix-gateway serve` ------------------------------------------------------------------
+
+
+def test_serve_discovers_through_dns_and_a_sighup_changes_the_settings(tmp_path) -> None:
+    import httpx
+
+    from gateway import processes
+    from tests.conftest import poll, start_gateway
+
+    two = start_sims(["vllm", "vllm"], tmp_path)
+    p1, p2 = (port_of(u) for u in two.urls)
+    config = one_pool(dns(p1, "localhost", family="ipv4", interval_s=0.2))
+    config["server"] = {"host": "127.0.0.1", "port": processes.free_ports(1)[0]}
+    try:
+        gw = start_gateway(config, tmp_path)  # ready: found and healthy before serving
+        try:
+            def listed() -> dict:
+                r = httpx.get(gw.url + "/admin/replicas", timeout=10)
+                return {rep["name"]: rep for p in r.json()["pools"] for rep in p["replicas"]}
+
+            assert listed()[f"rt-127.0.0.1-{p1}"]["healthy"]
+            r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "hi " * 20, "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-gateway-replica"] == f"rt-127.0.0.1-{p1}"
+
+            config["pools"][0]["discovery"] = dns(p2, "localhost", family="ipv4")
+            gw.config_path.write_text(yaml.safe_dump(config))
+            gw.proc.send_signal(signal.SIGHUP)
+            poll(lambda: "rt: dns discovery restarted" in gw.log(), deadline_s=15)
+            poll(lambda: listed().get(f"rt-127.0.0.1-{p2}", {}).get("healthy"), deadline_s=15)
+            poll(lambda: f"rt-127.0.0.1-{p1}" not in listed(), deadline_s=15)
+            assert "NOT applied" not in gw.log()
+            assert gw.proc.poll() is None
+        finally:
+            gw.stop()
+    finally:
+        two.stop()
+
+
+def test_serve_check_names_the_discovery(tmp_path, capsys) -> None:
+    from gateway import cli
+
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(one_pool(dns(8000), [{"name": "static-0",
+                                                         "url": "http://10.0.0.9:8000"}])))
+    parsed = cli.build_parser().parse_args(["serve", "--config", str(path), "--check"])
+    assert parsed.func(parsed) == 0
+    assert "rt (vllm, 1 replicas, dns discovery)" in capsys.readouterr().out
