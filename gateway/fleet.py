@@ -195,12 +195,13 @@ class Fleet:
         kept: dict[str, Found] = {}
         changes: list[str] = []
         for name in before.keys() - found.keys():
+            if self.owner.get((pool.name, name)) != source:
+                continue  # never joined (not ready yet), or the file's now
+            del self.owner[(pool.name, name)]
             r = pool.replicas.get(name)
-            if r is not None and self.owner.get((pool.name, name)) == source:
-                if not self.removing(pool, name):
-                    self._drain(pool, r, remove=True)
-                    changes.append(f"{pool.name}/{name} gone (draining)")
-                del self.owner[(pool.name, name)]
+            if r is not None and not self.removing(pool, name):
+                self._drain(pool, r, remove=True)
+                changes.append(f"{pool.name}/{name} gone (draining)")
         for name, (spec, ready) in found.items():
             if before.get(name) == (spec, ready):
                 kept[name] = (spec, ready)
