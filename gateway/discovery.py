@@ -149,7 +149,9 @@ class DnsSource(Source):
         dns = self.config.dns
         assert dns is not None
         resolver = self.discovery.resolver
-        while True:
+        # Also checked, not only cancelled: asyncio.wait_for (Python 3.11) can swallow a
+        # cancellation that arrives just as the resolution completes.
+        while not self.stopped:
             try:
                 addresses = await asyncio.wait_for(
                     resolver.resolve(dns.name, dns.port, dns.family), dns.timeout_s)
