@@ -24,6 +24,7 @@ from gateway.batch import api as batch_api
 from gateway.batch.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.core import RequestCore, error_reply
+from gateway.discovery import Discovery, Resolver
 from gateway.edge import InferenceEndpoint, send_reply
 from gateway.errors import GatewayError
 from gateway.fleet import Fleet
@@ -42,7 +43,8 @@ def _error(status: int, message: str, type: str = "invalid_request_error",
 
 def build_admin(state: GatewayState, batch: BatchService | None = None,
                 fleet: Fleet | None = None, reloader: Reloader | None = None,
-                view: WorkerView | None = None) -> FastAPI:
+                view: WorkerView | None = None,
+                discovery: Discovery | None = None) -> FastAPI:
     """Health, readiness, models, metrics and stats, the replicas, and the Batch API: where
     FastAPI's conveniences pay. `view`: this process is one of several workers (serve
     --workers), and /metrics and /admin/stats answer for them all."""
@@ -51,6 +53,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        if discovery is not None:
+            await discovery.start()
         if batch is not None:
             await batch.start()
         watch = None
@@ -79,6 +83,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
                 await asyncio.gather(shared, return_exceptions=True)
                 with contextlib.suppress(OSError):
                     view.write()  # type: ignore[union-attr]  # the last counts, for the sums
+            if discovery is not None:
+                await discovery.stop()
             await fleet.stop()
             if batch is not None:
                 await batch.stop()
@@ -251,17 +257,20 @@ class GatewayApp:
 
     def __init__(self, config: GatewayConfig, state: GatewayState | None = None,
                  reloader: Callable[[Fleet], Reloader] | None = None,
-                 workers_dir: str | None = None) -> None:
+                 workers_dir: str | None = None, resolver: Resolver | None = None) -> None:
         self.state = state or GatewayState(config)
         self.core = RequestCore(self.state)
         # The Batch API runs only with Redis; without it its routes say how to turn it on.
         self.batch = BatchService(self.core) if config.redis is not None else None
         self.fleet = Fleet(self.state)
         """Replicas joining and leaving while it runs (the admin API, reloads)."""
+        self.discovery = Discovery(self.fleet, resolver)
+        """Replicas found by DNS or Kubernetes EndpointSlices (`resolver`: DNS's)."""
         self.reloader = reloader(self.fleet) if reloader is not None else None
         self.view = WorkerView(workers_dir, self.state) if workers_dir is not None else None
         """One of several workers (serve --workers): /metrics and /admin/stats cover all."""
-        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader, self.view)
+        self.admin = build_admin(self.state, self.batch, self.fleet, self.reloader, self.view,
+                                 self.discovery)
         auth = self.state.auth
         self.guarded = auth.client_required or auth.admin_required or auth.metrics_required
         """Some route needs a key: an open gateway classifies no path per request."""

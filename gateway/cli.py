@@ -285,7 +285,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"prefix-gateway: refusing to serve: {problem}", file=sys.stderr)
         return 2
     if args.check:
-        pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas)"
+        pools = ", ".join(f"{p.name} ({p.engine}, {len(p.replicas)} replicas"
+                          + (f", {p.discovery.kind} discovery" if p.discovery else "") + ")"
                           for p in config.pools)
         print(f"{args.config}: valid; pools: {pools}; " + (
             f"Batch API on (Redis {shown_url(config.redis.url)}), routing state "

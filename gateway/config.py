@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -201,11 +203,109 @@ class EjectionConfig(_Strict):
         return self
 
 
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]"
+                       r"([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+class DnsDiscoveryConfig(_Strict):
+    """A pool's replicas are the addresses (A and AAAA records) a DNS name resolves to, such
+    as a Kubernetes headless Service's, resolved again every `interval_s`."""
+
+    name: str = Field(description="the DNS name, e.g. vllm.llm.svc.cluster.local")
+    port: int = Field(ge=1, le=65535, description="the engines' port, the same at every address")
+    scheme: Literal["http", "https"] = Field("http", description="http or https")
+    family: Literal["any", "ipv4", "ipv6"] = Field(
+        "any", description="which records: any (A and AAAA), ipv4 (A), ipv6 (AAAA)")
+    interval_s: float = Field(10.0, ge=MIN_INTERVAL_S, le=3600,
+                              description="seconds between two resolutions")
+    timeout_s: float = Field(5.0, gt=0, le=300, description="longest wait for one resolution; "
+                             "longer is a failure (the replicas found before stay)")
+
+    @field_validator("name")
+    @classmethod
+    def _hostname(cls, v: str) -> str:
+        if not _HOSTNAME.fullmatch(v):
+            raise ValueError(f"{v!r} is not a DNS name (letters, digits, '-', '_' and dots; "
+                             "no scheme, port or path: give the port in `port`)")
+        return v
+
+
+KUBERNETES_EXTRA = "pip install 'prefix-gateway[kubernetes]'"
+
+
+def kubernetes_client_installed() -> bool:
+    return importlib.util.find_spec("kubernetes") is not None
+
+
+class KubernetesDiscoveryConfig(_Strict):
+    """A pool's replicas are the endpoints of the Kubernetes EndpointSlices a label selector
+    picks, watched through the Kubernetes API (the `kubernetes` extra)."""
+
+    selector: str = Field(min_length=1, description="label selector of the EndpointSlices, "
+                          "e.g. kubernetes.io/service-name=vllm")
+    namespace: str | None = Field(
+        None, min_length=1, description="their namespace (None: the gateway's own, read from "
+        "its service account in a pod, else `default`)")
+    port_name: str | None = Field(
+        None, description="the name of the EndpointSlice port to send requests to (None: "
+        "slices must have exactly one port)")
+    scheme: Literal["http", "https"] = Field("http", description="http or https")
+    resync_s: float = Field(300.0, ge=1, le=86400, description="the watch is restarted with a "
+                            "full list this often (and at once when it expires)")
+    kubeconfig: str | None = Field(
+        None, min_length=1, description="a kubeconfig file (None: the pod's service account "
+        "inside a cluster, else $KUBECONFIG or ~/.kube/config)")
+    context: str | None = Field(None, min_length=1, description="the kubeconfig context "
+                                "(None: its current context)")
+
+    @model_validator(mode="after")
+    def _client(self) -> KubernetesDiscoveryConfig:
+        if not kubernetes_client_installed():
+            raise ValueError("Kubernetes discovery needs the `kubernetes` Python client, an "
+                             f"optional extra that is not installed: {KUBERNETES_EXTRA}")
+        if self.kubeconfig is not None and not os.access(self.kubeconfig, os.R_OK):
+            raise ValueError(f"kubeconfig {self.kubeconfig} cannot be read")
+        return self
+
+
+class DiscoveryConfig(_Strict):
+    """Where a pool finds replicas besides its `replicas` list: exactly one of `dns` or
+    `kubernetes`."""
+
+    dns: DnsDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> DiscoveryConfig:
+        if (self.dns is None) == (self.kubernetes is None):
+            raise ValueError("give exactly one of dns or kubernetes")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "dns" if self.dns is not None else "kubernetes"
+
+
+def discovered_name(pool: str, address: str, port: int) -> str:
+    """A discovered replica's name: stable for its address and port, unique across pools."""
+    return f"{pool}-{address}-{port}"
+
+
+def discovered_url(scheme: str, address: str, port: int) -> str:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return f"{scheme}://{address}:{port}"
+    return f"{scheme}://[{ip}]:{port}" if ip.version == 6 else f"{scheme}://{ip}:{port}"
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     engine: EngineKind
     models: list[str] = Field(min_length=1)
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = Field(
+        None, description="find more replicas by DNS or Kubernetes EndpointSlices")
     api_key: str | None = None
     pass_client_key: bool = Field(
         False, description="forward the client's own Authorization header to the pool's "
@@ -235,6 +335,8 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> PoolConfig:
+        if not self.replicas and self.discovery is None:
+            raise ValueError("a pool needs replicas, or discovery to find them")
         names = [r.name for r in self.replicas]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -23,6 +23,13 @@ from gateway.state import GatewayState
 from gateway.stats import shown_url
 
 log = logging.getLogger("prefix_gateway.fleet")
+
+Found = tuple[ReplicaSpec, bool]
+"""A discovered replica: its spec, and whether it is ready."""
+
+
+class Applier(Protocol):
+    def apply(self, new: GatewayConfig) -> list[str]: ...
 
 DRAIN_POLL_S = 0.05
 """How often a draining replica is looked at to see whether its last request ended."""
@@ -49,6 +56,15 @@ class Fleet:
         self._drops: dict[tuple[str, str], asyncio.Task[None]] = {}
         """Replicas being removed: dropped once nothing is in flight there."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self.discovery: Applier | None = None
+        """Applies a reloaded configuration's discovery settings (gateway/discovery.py)."""
+        self._found: dict[tuple[str, str], dict[str, Found]] = {}
+        """(pool, source) -> the replicas that source found last, as `sync` applied them."""
+        self.owner: dict[tuple[str, str], str] = {}
+        """(pool, replica) -> the discovery source that found it; not there: from the file
+        or the admin API."""
+        self._refused: set[tuple[str, str, str]] = set()
+        """(pool, replica, why) of discovered replicas left out, each logged once."""
 
     async def stop(self) -> None:
         tasks = [*self._drops.values(), *self._tasks]
@@ -77,6 +93,7 @@ class Fleet:
         return {"name": r.name, "pool": pool.name, "url": shown_url(r.base_url),
                 "models": sorted(r.models), "healthy": r.healthy, "draining": r.draining,
                 "removing": self.removing(pool, r.name),
+                "discovered_by": self.owner.get((pool.name, r.name)),
                 "inflight": pool.load.inflight.get(r.name, 0)}
 
     def listing(self) -> dict[str, Any]:
@@ -131,6 +148,10 @@ class Fleet:
                 continue  # a pool removed: reported by restart_needed
             want = {r.name: r for r in pc.replicas}
             for name, r in list(pool.replicas.items()):
+                if (pool.name, name) in self.owner:
+                    if name not in want:
+                        continue  # found by discovery, not the file's
+                    self._disown(pool, name)  # the file lists it: the file's from now on
                 if name not in want and not self.removing(pool, name):
                     self._drain(pool, r, remove=True)
                     changes.append(f"{pool.name}/{name} removed (draining)")
@@ -156,7 +177,88 @@ class Fleet:
                     pool.update_replica(spec)
                     self._refresh_models()
                     changes.append(f"{pool.name}/{name} models or api_key changed")
+        if self.discovery is not None:
+            changes += self.discovery.apply(new)
         return changes, restart_needed(self.state.config, new)
+
+    # Discovery ----------------------------------------------------------------------------
+
+    def sync(self, pool: Pool, source: str, found: dict[str, Found]) -> list[str]:
+        """Make the replicas `source` found in `pool` those of `found` (name -> its spec, and
+        whether it is ready): a replica that appeared joins (in rotation once a health check
+        passes), one that is no longer ready drains and stays listed, one that is ready again
+        comes back, one that is gone (or terminating) drains and is dropped once idle. Only
+        what changed since the last sync is acted on, so a discovered replica drained through
+        the admin API stays drained while discovery keeps finding it unchanged."""
+        key = (pool.name, source)
+        before = self._found.get(key, {})
+        kept: dict[str, Found] = {}
+        changes: list[str] = []
+        for name in before.keys() - found.keys():
+            if self.owner.get((pool.name, name)) != source:
+                continue  # never joined (not ready yet), or the file's now
+            del self.owner[(pool.name, name)]
+            r = pool.replicas.get(name)
+            if r is not None and not self.removing(pool, name):
+                self._drain(pool, r, remove=True)
+                changes.append(f"{pool.name}/{name} gone (draining)")
+        for name, (spec, ready) in found.items():
+            if before.get(name) == (spec, ready):
+                kept[name] = (spec, ready)
+                continue
+            cur = pool.replicas.get(name)
+            mine = self.owner.get((pool.name, name)) == source
+            why = None if mine else self._refusal(pool, spec)
+            if why is not None:
+                if (pool.name, name, why) not in self._refused:
+                    self._refused.add((pool.name, name, why))
+                    log.warning("discovery (%s) found %s for pool %s and left it out: %s",
+                                source, shown_url(spec.base_url), pool.name, why)
+                continue
+            kept[name] = (spec, ready)
+            if not ready:
+                if mine and cur is not None and not cur.draining:
+                    self._drain(pool, cur, remove=False)
+                    changes.append(f"{pool.name}/{name} not ready (draining)")
+                continue
+            self.owner[(pool.name, name)] = source
+            if cur is None or cur.base_url != spec.base_url:
+                self._cancel_drop(pool, name)
+                self._join(pool, spec)
+                changes.append(f"{pool.name}/{name} found ({shown_url(spec.base_url)})")
+            elif cur.draining:
+                self._undrain(pool, cur)
+                changes.append(f"{pool.name}/{name} ready again")
+        self._found[key] = kept
+        if changes:
+            log.info("discovery (%s): %s", source, "; ".join(changes))
+        return changes
+
+    def forget_source(self, pool: Pool, source: str) -> list[str]:
+        """A discovery source that no longer runs: its replicas drain and are dropped."""
+        changes = self.sync(pool, source, {})
+        self._found.pop((pool.name, source), None)
+        return changes
+
+    def _refusal(self, pool: Pool, spec: ReplicaSpec) -> str | None:
+        """Why a discovered replica cannot join: its name or URL is another replica's."""
+        for p in self.state.pools:
+            other = p.replicas.get(spec.name)
+            if other is not None and not self.removing(p, spec.name):
+                return f"a replica named {spec.name!r} exists already (pool {p.name!r})"
+            for r in p.replicas.values():
+                if (r.base_url.lower() == spec.base_url.lower() and r.name != spec.name
+                        and not self.removing(p, r.name)):
+                    return f"replica {p.name}/{r.name} has this url already"
+        return None
+
+    def _disown(self, pool: Pool, name: str) -> None:
+        source = self.owner.pop((pool.name, name))
+        self._found.get((pool.name, source), {}).pop(name, None)
+
+    async def settled(self) -> None:
+        """Wait for the health checks of the replicas that joined so far."""
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # Membership changes -----------------------------------------------------------------------
 
@@ -248,6 +350,7 @@ def _settings(cfg: GatewayConfig) -> dict[str, Any]:
     pools = {}
     for p in d["pools"]:
         p.pop("replicas", None)
+        p.pop("discovery", None)
         pools[p["name"]] = p
     d["pools"] = pools
     return d

@@ -164,7 +164,22 @@ class GatewayMetrics:
         self.config_reloads = CounterFamily(
             "gateway_config_reloads", "Reloads of the configuration file, by result: ok "
             "(applied) or rejected (invalid: the configuration in force is kept).", ("result",))
+        # Discovery (DNS, Kubernetes EndpointSlices).
+        self.discovery_errors = CounterFamily(
+            "gateway_discovery_errors", "Failed discovery rounds: a DNS resolution that failed "
+            "or found nothing, a Kubernetes list or watch that failed (the replicas found "
+            "before are kept).", ("pool", "source"))
+        self.discovery_success = GaugeFamily(
+            "gateway_discovery_last_success_timestamp_seconds", "When discovery last found "
+            "the pool's replicas (Unix time; 0 until it has).", ("pool", "source"))
+        self.discovered = GaugeFamily(
+            "gateway_discovered_replicas", "Replicas discovery found for the pool at its last "
+            "success, ready or not (terminating ones are not counted).", ("pool", "source"))
         self.registry.register(FamilyCollector(self.families()))
+
+    def forget_discovery(self, pool: str, source: str) -> None:
+        for family in (self.discovery_errors, self.discovery_success, self.discovered):
+            family.values.pop((pool, source), None)
 
     def forget_replica(self, pool: str, replica: str) -> None:
         """Drop every series of a replica that left its pool."""

@@ -64,16 +64,25 @@ serve_sims([s for argv in argvs for s in specs_from_args(parser.parse_args(argv)
 
 def start_sims(kinds: list[str], tmp: Path, *, time_scale: float | list[float] = 0.02,
                profile: str = "llama-8b-h200", model: str = "tiny",
-               extra: tuple[str, ...] = (), separate: bool = False) -> Sims:
+               extra: tuple[str, ...] = (), separate: bool = False,
+               hosts: list[str] | None = None) -> Sims:
     """Start one simulated replica per entry of `kinds` ("vllm" or "trtllm"), all in one
     process unless `separate` (one process each: what a test that kills or freezes one
-    replica needs, through `Sims.procs[i]`). `time_scale`: one for all, or one per replica."""
-    ports = processes.free_ports(len(kinds))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    replica needs, through `Sims.procs[i]`). `time_scale`: one for all, or one per replica.
+    `hosts`: a loopback address per replica (127.0.0.2, ...), all on one port, as engines
+    behind one DNS name are (one process each)."""
+    if hosts is not None:
+        separate = True
+        ports = processes.free_ports(1, hosts[0]) * len(kinds)
+    else:
+        hosts = ["127.0.0.1"] * len(kinds)
+        ports = processes.free_ports(len(kinds))
+    urls = [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
     scales = time_scale if isinstance(time_scale, list) else [time_scale] * len(kinds)
-    argvs = [["--port", str(port), "--kind", kind, "--model", model, "--profile", profile,
-              "--time-scale", str(scale), "--name", f"sim{i}", *extra]
-             for i, (port, kind, scale) in enumerate(zip(ports, kinds, scales, strict=True))]
+    argvs = [["--host", host, "--port", str(port), "--kind", kind, "--model", model,
+              "--profile", profile, "--time-scale", str(scale), "--name", f"sim{i}", *extra]
+             for i, (host, port, kind, scale)
+             in enumerate(zip(hosts, ports, kinds, scales, strict=True))]
     if separate or len(argvs) == 1:
         procs = [processes.spawn([sys.executable, "-m", "backends.sim", *argv],
                                  str(tmp / f"sim-{i}.log")) for i, argv in enumerate(argvs)]

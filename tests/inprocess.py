@@ -113,7 +113,8 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
     state = GatewayState(cfg, upstream=upstream, tracing=tracing)
     app = GatewayApp(cfg, state)
     await state.start()
-    if app.batch is not None:  # what the app's lifespan starts (ASGITransport runs none)
+    await app.discovery.start()  # what the app's lifespan starts (ASGITransport runs none)
+    if app.batch is not None:
         await app.batch.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=GATEWAY,
@@ -122,6 +123,8 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
     finally:
         if app.batch is not None:
             await app.batch.stop()
+        await app.discovery.stop()
+        await app.fleet.stop()
         await state.stop()
         for sim in harness_sims.values():
             sim.close()
