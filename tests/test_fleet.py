@@ -107,7 +107,9 @@ async def test_a_reload_adds_a_replica_that_takes_traffic_once_healthy(tmp_path,
 
 
 def gated(sim: SimApp, gate: asyncio.Event) -> Handler:
-    """The sim's handler, whose responses stop after their first chunks until `gate` opens."""
+    """The sim's handler, whose streams stop after their first two SSE events until `gate`
+    opens. Counted in events, not in the sim's chunks: on a busy machine the sim catches up
+    by sending several tokens in one chunk, and a whole stream can come in two."""
     inner = sim_handler(sim)
 
     async def handle(method: str, path: str, headers: Mapping[str, str],
@@ -117,12 +119,22 @@ def gated(sim: SimApp, gate: asyncio.Event) -> Handler:
             return answer
 
         async def chunks() -> AsyncIterator[bytes]:
-            n = 0
+            sent = 0
+            pending = b""
             async for chunk in answer.body:  # type: ignore[union-attr]
-                n += 1
-                if n == 3:
-                    await gate.wait()
-                yield chunk
+                pending += chunk
+                while sent < 2 and b"\n\n" in pending:
+                    event, pending = pending.split(b"\n\n", 1)
+                    sent += 1
+                    yield event + b"\n\n"
+                if sent < 2:
+                    continue
+                await gate.wait()
+                if pending:
+                    yield pending
+                    pending = b""
+            if pending:
+                yield pending
 
         return HandlerResponse(answer.status, chunks(), answer.headers)
 
