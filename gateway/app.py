@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from backends.pool import ReplicaState
 from gateway import __version__
 from gateway.auth import CLIENT_SCOPE
 from gateway.batch import api as batch_api
@@ -26,11 +27,14 @@ from gateway.config import GatewayConfig
 from gateway.core import RequestCore, error_reply
 from gateway.discovery import Discovery, Resolver
 from gateway.edge import InferenceEndpoint, send_reply
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, bad_request
 from gateway.fleet import Fleet
 from gateway.reload import Reloader
 from gateway.state import GatewayState
 from gateway.workerview import WorkerView
+
+_NOT_JSON = object()
+"""An admin request body that is not JSON."""
 
 _STATIC = Path(__file__).parent / "static"
 
@@ -175,14 +179,20 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     def _failed(err: GatewayError) -> JSONResponse:
         return _error(err.status, err.message, code=err.code)
 
-    def _one_worker_only() -> JSONResponse | None:
-        """With several workers a change here would reach only the one answering: refused."""
-        if view is None:
-            return None
-        return _error(409, "This gateway runs several worker processes (server.workers), and "
-                      "the admin API would change the replicas of one of them only: change "
-                      "the configuration file instead; every worker reloads it (SIGHUP or the "
-                      "file watch).", code="several_workers")
+    def _change(pool: str, change: Callable[[], ReplicaState], status: int) -> JSONResponse:
+        """A change to `pool`'s replicas, answered with the replica as it is after it. With
+        several workers a change would reach only the one answering: refused."""
+        if view is not None:
+            return _error(409, "This gateway runs several worker processes (server.workers), "
+                          "and the admin API would change the replicas of one of them only: "
+                          "change the configuration file instead; every worker reloads it "
+                          "(SIGHUP or the file watch).", code="several_workers")
+        try:
+            p = fleet.pool(pool)
+            r = change()
+        except GatewayError as err:
+            return _failed(err)
+        return JSONResponse(fleet.describe(p, r), status_code=status)
 
     @app.get("/admin/replicas")
     async def replicas() -> dict[str, Any]:
@@ -192,43 +202,28 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     @app.post("/admin/pools/{pool}/replicas")
     async def add_replica(pool: str, request: Request) -> JSONResponse:
         """Add a replica ({name, url, models?, api_key?}); in rotation once healthy."""
-        if (refused := _one_worker_only()) is not None:
-            return refused
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "The body must be a JSON object {name, url, models?, api_key?}.",
-                          code="invalid_replica")
-        try:
-            p = fleet.pool(pool)
-            r = fleet.add(pool, body)
-        except GatewayError as err:
-            return _failed(err)
-        return JSONResponse(fleet.describe(p, r), status_code=201)
+            body = _NOT_JSON
+
+        def add() -> ReplicaState:
+            if body is _NOT_JSON:
+                raise bad_request("The body must be a JSON object {name, url, models?, "
+                                  "api_key?}.", code="invalid_replica")
+            return fleet.add(pool, body)
+
+        return _change(pool, add, 201)
 
     @app.post("/admin/pools/{pool}/replicas/{name}/drain")
     async def drain_replica(pool: str, name: str) -> JSONResponse:
         """No new requests for the replica; those in flight finish. It stays listed."""
-        if (refused := _one_worker_only()) is not None:
-            return refused
-        try:
-            p = fleet.pool(pool)
-            r = fleet.drain(pool, name)
-        except GatewayError as err:
-            return _failed(err)
-        return JSONResponse(fleet.describe(p, r))
+        return _change(pool, lambda: fleet.drain(pool, name), 200)
 
     @app.delete("/admin/pools/{pool}/replicas/{name}")
     async def remove_replica(pool: str, name: str) -> JSONResponse:
         """Drain the replica, then drop it once its requests in flight have ended."""
-        if (refused := _one_worker_only()) is not None:
-            return refused
-        try:
-            p = fleet.pool(pool)
-            r = fleet.drain(pool, name, remove=True)
-        except GatewayError as err:
-            return _failed(err)
-        return JSONResponse(fleet.describe(p, r), status_code=202)
+        return _change(pool, lambda: fleet.drain(pool, name, remove=True), 202)
 
     @app.get("/admin", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
