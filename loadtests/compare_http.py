@@ -123,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                     res = {"policy": router, "failed": str(exc)[:500]}
                     results.append(res)
                     continue
-                res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
-                           profile=args.profile, time_scale=args.time_scale,
-                           speedup=args.speedup, max_output=args.max_output, source=source)
+                res.update(rp.sim_conditions(args), speedup=args.speedup,
+                           max_output=args.max_output, source=source)
                 rp.log(f"{router}: done in {time.monotonic() - t:.0f} s; TTFT p50 "
                        f"{_f(res['ttft_p50_s'])} s, hit {_f(res['hit_ratio'])}")
                 results.append(res)

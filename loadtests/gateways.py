@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     t = time.monotonic()
                     res = run_one(fleet, urls, requests, count, redis, args.policy,
                                   dict(args.settings), opts)
-                    res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
-                               profile=args.profile, time_scale=args.time_scale,
-                               speedup=args.speedup, max_output=args.max_output, source=source)
+                    res.update(rp.sim_conditions(args), speedup=args.speedup,
+                               max_output=args.max_output, source=source)
                     rp.log(f"{count} gateway(s), Redis {'on' if redis else 'off'}: done in "
                            f"{time.monotonic() - t:.0f} s; TTFT mean {_f(res['ttft_mean_s'])} s, "
                            f"agreement {_f(res['agreement'])}")

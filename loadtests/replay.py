@@ -369,6 +369,13 @@ def cpu_seconds(procs: Sequence[subprocess.Popen]) -> float | None:
         return None
 
 
+def sim_conditions(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated replicas a run drove, as its result records them (replay's arguments,
+    which compare_http and gateways share)."""
+    return {"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
+            "profile": args.profile, "time_scale": args.time_scale}
+
+
 def default_policy() -> str:
     return str(RoutingSettings().policy)
 
@@ -479,9 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             cpu_after = cpu_seconds(gateways) if gateways else None
             res = summarize(data, requests, policy)
             if not args.url:
-                res.update(replicas=args.replicas, kv_capacity_tokens=args.kv_capacity_tokens,
-                           profile=args.profile, time_scale=args.time_scale,
-                           redis=redis_url is not None, log_dir=str(fleet.log_dir))
+                res.update(sim_conditions(args), redis=redis_url is not None,
+                           log_dir=str(fleet.log_dir))
                 if cpu_before is not None and cpu_after is not None:
                     # Every gateway process's CPU over the replay (health checks included).
                     res["gateway_cpu_ms_per_request"] = (
