@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import json
 import os
@@ -167,6 +168,16 @@ def tenant_prompt(i: int, chars: int = 2000) -> str:
     text = " ".join(f"Tenant {i} policy clause {j}: answer precisely and cite sources."
                     for j in range(chars // 40))
     return text[:chars]
+
+
+def require(module: str, extra: str) -> None:
+    """Import `module`, or fail (never skip) saying how to install it: every test runs in CI,
+    whose `make install-test` installs the extras."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        pytest.fail(f"{module} is not installed: pip install -e '.[{extra}]' (make install-test "
+                    "installs it)", pytrace=False)
 
 
 def poll(predicate, deadline_s: float = 10.0, interval_s: float = 0.05):

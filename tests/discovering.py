@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ from gateway.app import GatewayApp
 from gateway.config import parse_config
 from gateway.discovery import Resolver
 from gateway.state import GatewayState
-from tests.conftest import eventually
+from tests.conftest import Sims, eventually, start_sims
 from tests.inprocess import FAST_HEALTH, GATEWAY
 
 
@@ -158,3 +158,12 @@ class FakeResolver:
         """Wait until `n` more resolutions have been asked for."""
         target = self.calls + n
         await eventually(lambda: self.calls >= target)
+
+
+def three_addresses(tmp_path_factory) -> Iterator[Sims]:
+    """For a module fixture: three simulated engines behind one name, on one port, an
+    address each (127.0.0.2-4), as DNS or EndpointSlices would list them."""
+    s = start_sims(["vllm"] * 3, tmp_path_factory.mktemp("sims"), time_scale=0.2,
+                   hosts=["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+    yield s
+    s.stop()

@@ -20,7 +20,14 @@ from gateway.config import ConfigError, parse_config
 from gateway.discovery import SystemResolver, slice_endpoints
 from gateway.reload import Reloader
 from tests.conftest import eventually, start_sims
-from tests.discovering import FakeResolver, complete_stream, one_pool, port_of, running
+from tests.discovering import (
+    FakeResolver,
+    complete_stream,
+    one_pool,
+    port_of,
+    running,
+    three_addresses,
+)
 
 NAME = "vllm.llm.svc.cluster.local"
 
@@ -31,11 +38,7 @@ def dns(port: int, name: str = NAME, **more) -> dict:
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    # Three engines behind one name: one port, an address each.
-    s = start_sims(["vllm"] * 3, tmp_path_factory.mktemp("sims"), time_scale=0.2,
-                   hosts=["127.0.0.2", "127.0.0.3", "127.0.0.4"])
-    yield s
-    s.stop()
+    yield from three_addresses(tmp_path_factory)
 
 
 def names(port: int, *hosts: str) -> list[str]:

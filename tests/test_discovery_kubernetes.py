@@ -12,21 +12,18 @@ import signal
 
 import pytest
 
-from tests.conftest import eventually, start_sims
-from tests.discovering import complete_stream, one_pool, port_of, running
+from tests.conftest import eventually, require
+from tests.discovering import complete_stream, one_pool, port_of, running, three_addresses
 from tests.fake_kube import FakeKubeApi, endpoint, endpoint_slice
 
-pytest.importorskip("kubernetes")  # the `kubernetes` extra; `make install-test` installs it
+require("kubernetes", "kubernetes")
 
 SELECTOR = "kubernetes.io/service-name=vllm"
 
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    s = start_sims(["vllm"] * 3, tmp_path_factory.mktemp("sims"), time_scale=0.2,
-                   hosts=["127.0.0.2", "127.0.0.3", "127.0.0.4"])
-    yield s
-    s.stop()
+    yield from three_addresses(tmp_path_factory)
 
 
 @pytest.fixture

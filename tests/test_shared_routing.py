@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.types import ReplicaView
@@ -201,15 +202,21 @@ async def _is(value: Any, expected: float) -> bool:
 
 async def test_sharing_off_keeps_each_gateway_to_its_own_state(
         redis_server: RedisServer) -> None:
-    config = shared_config(redis_server.config(), enabled=False)
+    redis = redis_server.config()
+    config = shared_config(redis, enabled=False)
     async with gateway(config) as a, gateway(config) as b:
-        assert a.app.state.shared is None
-        assert a.app.state.pool_by_name["realtime"].router.on_record is None
+        for gw in (a, b):  # nothing that could share: no task, no hook on the routers
+            assert gw.app.state.shared is None
+            assert gw.app.state.pool_by_name["realtime"].router.on_record is None
         body = chat(tenant_prompt(3))
         replica = warm_elsewhere(a, body)
-        # Give a sharing gateway's flush many times over (then check nothing came).
         await b.http.get("/health")
-        await asyncio.sleep(0.2)
+        # And nothing was written: no routing key under the gateways' prefix.
+        client = redis_lib.Redis.from_url(redis["url"])
+        try:
+            assert not list(client.scan_iter(match=f"{redis['key_prefix']}routing:*"))
+        finally:
+            client.close()
         router_b = b.app.state.pool_by_name["realtime"].router
         assert router_b.matched_blocks(replica, hashes_of(b, body)) == 0
         assert await metric(b, "gateway_shared_state_up") is None

@@ -17,10 +17,14 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # the otel extra
+    InMemorySpanExporter,
+)
 
 from backends.upstream.inprocess import HandlerResponse
 from gateway import processes
 from gateway.config import ConfigError, parse_config
+from gateway.tracing import Tracing
 from tests.conftest import (
     ROOT,
     poll,
@@ -31,13 +35,6 @@ from tests.conftest import (
 )
 from tests.inprocess import gateway, replica_answering, two_pools
 from tests.test_auth import recording
-
-pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-    InMemorySpanExporter,
-)
-
-from gateway.tracing import Tracing
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
