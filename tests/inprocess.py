@@ -8,7 +8,8 @@ start-up.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,9 +131,11 @@ async def gateway(config: dict[str, Any], *, time_scale: float = 0.02,
             sim.close()
 
 
-def replica_answering(answer: Callable[[], HandlerResponse]) -> Handler:
+def replica_answering(
+        answer: Callable[[], HandlerResponse | Awaitable[HandlerResponse]]) -> Handler:
     """A replica healthy to probes, with no metrics, that answers every other request with
-    `answer()` (a faulty or scripted replica beside simulated ones)."""
+    `answer()`, awaited if it is a coroutine (a faulty or scripted replica beside simulated
+    ones)."""
 
     async def handle(method: str, target: str, headers: Mapping[str, str],
                      body: bytes) -> HandlerResponse:
@@ -140,7 +143,8 @@ def replica_answering(answer: Callable[[], HandlerResponse]) -> Handler:
             return HandlerResponse(200)
         if target == "/metrics":
             return HandlerResponse(404)
-        return answer()
+        reply = answer()
+        return await reply if inspect.isawaitable(reply) else reply
 
     return handle
 

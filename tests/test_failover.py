@@ -347,12 +347,7 @@ async def test_a_client_leaving_before_headers_drops_the_replicas_request() -> N
     answered = asyncio.Event()
     dropped = asyncio.Event()
 
-    async def silent(method: str, target: str, headers: Mapping[str, str],
-                     body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
+    async def silent() -> HandlerResponse:
         answered.set()
         try:
             await asyncio.Event().wait()  # an engine that answers only when done
@@ -360,7 +355,7 @@ async def test_a_client_leaving_before_headers_drops_the_replicas_request() -> N
             dropped.set()
         raise AssertionError("unreachable")
 
-    async with gateway(config(realtime=1), handlers={"rt-0": silent}) as gw:
+    async with gateway(config(realtime=1), handlers={"rt-0": replica_answering(silent)}) as gw:
         app = gw.app
         sent: list[dict] = []
         left = asyncio.Event()

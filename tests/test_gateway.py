@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import openai
@@ -15,7 +15,14 @@ import pytest
 from backends.upstream.inprocess import Handler, HandlerResponse
 from gateway.stats import render_table
 from tests.conftest import eventually, tenant_prompt
-from tests.inprocess import Harness, gateway, sim_handler, sse_replica, two_pools
+from tests.inprocess import (
+    Harness,
+    gateway,
+    replica_answering,
+    sim_handler,
+    sse_replica,
+    two_pools,
+)
 
 T = TypeVar("T")
 
@@ -528,17 +535,12 @@ async def test_engine_token_hashing_asks_the_engine_and_falls_back_to_characters
 async def test_a_request_cancelled_while_waiting_for_the_replica_releases_its_load() -> None:
     answered = asyncio.Event()
 
-    async def silent(method: str, target: str, headers: Mapping[str, str],
-                     body: bytes) -> HandlerResponse:
-        if target == "/health":
-            return HandlerResponse(200)
-        if target == "/metrics":
-            return HandlerResponse(404)
+    async def silent() -> HandlerResponse:
         answered.set()
         await asyncio.Event().wait()  # never answers
         raise AssertionError("unreachable")
 
-    async with gateway(one_replica(), handlers={"rt-0": silent}) as gw:
+    async with gateway(one_replica(), handlers={"rt-0": replica_answering(silent)}) as gw:
         request = asyncio.create_task(gw.http.post(
             "/v1/completions", json={"model": "tiny", "prompt": "x"}))
         await asyncio.wait_for(answered.wait(), 10)
