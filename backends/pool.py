@@ -181,12 +181,10 @@ class Pool:
         models = set(r.models) if r.models else set(self.spec.models)
         state = ReplicaState(self.name, r.name, r.base_url, models,
                              r.api_key or self.spec.api_key)
-        old = self.replicas.get(r.name)
-        if old is not None:
+        if r.name in self.replicas:
             # Requests in flight there keep their state object and finish on the old URL; the
             # new engine's cache holds none of what the old one did.
-            old.draining, old.healthy, old.suspect = True, False, False
-            self.router.remove_replica(r.name)
+            self.drain(r.name)
         self.replicas[r.name] = state
         self.router.add_replica(r.name)
         self._refresh_models()
