@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.fleet import REPO, Fleet, use_uvloop
 from loadtests.report import cell, span
-from loadtests.stats import median, nearest_rank
+from loadtests.stats import bucket_bound, median, nearest_rank
 
 SERVER_CORE = 0  # gateway (or proxy) and the stubs share this core
 CLIENT_CORE = 1  # the load generator runs alone on this one
@@ -391,10 +391,10 @@ def shared_lag(url: str) -> dict:
             if sample.name == "gateway_shared_state_lag_seconds_bucket":
                 buckets.append((float(sample.labels["le"]), sample.value))
     buckets.sort()
-    total = buckets[-1][1] if buckets else 0.0
-    out: dict = {"count": int(total)}
+    bounds, cumulative = [b for b, _ in buckets], [n for _, n in buckets]
+    out: dict = {"count": int(cumulative[-1]) if cumulative else 0}
     for q in (0.5, 0.9, 0.99, 0.999):
-        le = next((b for b, n in buckets if total and n >= q * total), None)
+        le = bucket_bound(bounds, cumulative, q)
         out[f"p{q * 100:g}_ms"] = None if le is None else 1000 * le
     return out
 

@@ -41,3 +41,12 @@ def max_over_mean(values: Sequence[float], default: float | None = None) -> floa
         return default
     mean = sum(values) / len(values)
     return max(values) / mean if mean > 0 else default
+
+
+def bucket_bound(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
+    """The upper bound of the histogram bucket holding quantile `q` (a figure that is at
+    most this), from cumulative counts per bound as Prometheus exposes them; None if empty."""
+    total = cumulative[-1] if cumulative else 0.0
+    if not total:
+        return None
+    return next(b for b, n in zip(bounds, cumulative, strict=True) if n >= q * total)

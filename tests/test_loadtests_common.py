@@ -17,7 +17,7 @@ from loadtests.fleet import Fleet
 from loadtests.metrics import HITS, QUERIES, WAITING, labelled_values, parse_sums
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
-from loadtests.stats import max_over_mean, median, nearest_rank, percentile
+from loadtests.stats import bucket_bound, max_over_mean, median, nearest_rank, percentile
 
 
 def test_parse_sums_adds_series_and_ignores_comments() -> None:
@@ -48,6 +48,15 @@ def test_nearest_rank_takes_a_sample_without_interpolating() -> None:
     assert nearest_rank(values, 0.5) == 6.0
     assert nearest_rank(values, 0.99) == 10.0
     assert math.isnan(nearest_rank([], 0.5))
+
+
+def test_bucket_bound_is_the_bound_of_the_bucket_holding_the_quantile() -> None:
+    bounds = (0.01, 0.05, 0.1, float("inf"))
+    cumulative = [1, 5, 9, 10]  # as Prometheus exposes a histogram's buckets
+    assert bucket_bound(bounds, cumulative, 0.5) == 0.05  # the 5th of 10 is in (0.01, 0.05]
+    assert bucket_bound(bounds, cumulative, 0.9) == 0.1
+    assert bucket_bound(bounds, cumulative, 0.99) == float("inf")
+    assert bucket_bound(bounds, [0, 0, 0, 0], 0.5) is None
 
 
 def test_median_and_imbalance() -> None:

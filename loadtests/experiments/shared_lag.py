@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import resource
 import time
 
@@ -22,6 +23,7 @@ from gateway.config import parse_config
 from gateway.defaults import one_pool_config
 from gateway.state import GatewayState
 from loadtests.fleet import Fleet
+from loadtests.stats import bucket_bound
 from routing.types import ReplicaView
 
 
@@ -38,13 +40,9 @@ def state(redis_url: str, prefix: str, interval: float) -> GatewayState:
 
 
 def quantile_ms(bounds: tuple[float, ...], row: list[float], q: float) -> float:
-    """The upper bound of the bucket holding quantile `q`, in milliseconds."""
-    total, seen = sum(row[:-1]), 0.0
-    for bound, n in zip(bounds, row[:-1], strict=False):
-        seen += n
-        if seen >= q * total:
-            return 1000 * bound
-    return float("inf")
+    """The upper bound of the bucket holding quantile `q`, in milliseconds (`row`: a count per
+    bucket, then the sum, as the gateway's histograms keep them)."""
+    return 1000 * (bucket_bound(bounds, list(itertools.accumulate(row[:-1])), q) or 0.0)
 
 
 async def lag(redis_url: str, interval: float, rate: float, duration: float) -> str:
