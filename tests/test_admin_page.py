@@ -175,6 +175,11 @@ def test_admin_page_in_a_browser(browser, tmp_path: Path) -> None:
         again.accept()
         poll(lambda: len(browser.find_elements(By.CSS_SELECTOR, "section.pool")) == 2, 20)
         assert set(_shown(browser)) == {"rt-0", "rt-1", "rt-2", "bt-0", "bt-1"}
+        # Exact ties are written as the CLI writes them (toFixed alone gave 97.3% for 97.2%).
+        ties = [0.9725, 0.9735, 0.00125, 0.5]
+        assert browser.execute_script(
+            "return arguments[0].map(v => [pct(v), ms(v)])", ties) == [
+                [_pct(v), _ms(v)] for v in ties]
 
         # Under traffic, the tables, the charts and the decisions follow.
         for w in workers:
