@@ -83,7 +83,7 @@ def experiments_body(seed: int = 0, pairs: int = 120) -> dict[str, Any]:
         arm = "candidate" if i % 4 == 0 else "baseline"
         split.add(arm, Sample(t0 + i, 0.2 + i / 100, 0.015, 1.0, 1000 + i, 50))
     split.enabled = False
-    engines = {"baseline": {"prefix_cache_hit_ratio": 0.6125, "kv_usage": 0.4,
+    engines = {"baseline": {"prefix_cache_hit_ratio": 0.4125, "kv_usage": 0.4,
                             "queue_length": 1.0},
                "candidate": {"prefix_cache_hit_ratio": 0.55, "kv_usage": None,
                              "queue_length": None}}

@@ -266,8 +266,9 @@ def diff_line(d: dict[str, Any]) -> str:
 def condition_lines(c: dict[str, Any]) -> list[str]:
     """The conditions the figures were measured under, one per line."""
     since = c.get("since")
-    started = ("-" if since is None
-               else datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+    # Whole seconds, cut rather than rounded, as the page's Date writes them.
+    started = ("-" if since is None else datetime.fromtimestamp(math.floor(since), UTC)
+               .strftime("%Y-%m-%d %H:%M:%S UTC"))
     window = "-" if c.get("window_s") is None else f"{c['window_s']:.1f} s"
     p, o = c.get("prompt_tokens") or {}, c.get("output_tokens") or {}
     rate = c.get("arrival_rate_per_s")
