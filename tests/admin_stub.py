@@ -87,5 +87,6 @@ def experiments_body(seed: int = 0, pairs: int = 120) -> dict[str, Any]:
                             "queue_length": 1.0},
                "candidate": {"prefix_cache_hit_ratio": 0.55, "kv_usage": None,
                              "queue_length": None}}
-    return {"experiments": [mirror.report(engines, now=t0 + pairs * 0.4 + 5),
-                            split.report(now=t0 + 20)]}
+    unstarted = split.report(now=t0 + 20)
+    unstarted["conditions"]["since"] = None  # as loadtests.ab's simulated clock has it
+    return {"experiments": [mirror.report(engines, now=t0 + pairs * 0.4 + 5), unstarted]}

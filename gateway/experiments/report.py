@@ -267,13 +267,13 @@ def condition_lines(c: dict[str, Any]) -> list[str]:
     """The conditions the figures were measured under, one per line."""
     since = c.get("since")
     # Whole seconds, cut rather than rounded, as the page's Date writes them.
-    started = ("-" if since is None else datetime.fromtimestamp(math.floor(since), UTC)
-               .strftime("%Y-%m-%d %H:%M:%S UTC"))
+    started = ("" if since is None else datetime.fromtimestamp(math.floor(since), UTC)
+               .strftime(" since %Y-%m-%d %H:%M:%S UTC"))
     window = "-" if c.get("window_s") is None else f"{c['window_s']:.1f} s"
     p, o = c.get("prompt_tokens") or {}, c.get("output_tokens") or {}
     rate = c.get("arrival_rate_per_s")
     return [
-        f"window {window} since {started} (newest {c.get('max_samples', '-')} samples per arm)",
+        f"window {window}{started} (newest {c.get('max_samples', '-')} samples per arm)",
         f"prompt tokens p50 {_num(p.get('p50'), 0)}, p95 {_num(p.get('p95'), 0)}, "
         f"max {_num(p.get('max'), 0)}",
         f"output tokens p50 {_num(o.get('p50'), 0)}, p95 {_num(o.get('p95'), 0)}, "
