@@ -230,7 +230,7 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
     async def experiments() -> dict[str, Any]:
         """Each experiment's arms, paired comparison and conditions. With several workers:
         this worker's requests only (worker_pid says which)."""
-        body: dict[str, Any] = {"experiments": state.experiments.reports()}
+        body: dict[str, Any] = {"experiments": await state.experiments.reports_aside()}
         if view is not None:
             body["worker_pid"] = view.pid
         return body
