@@ -358,3 +358,18 @@ async def test_a_reload_changes_experiments_without_a_restart():
         assert "experiment ab removed" in changes
         assert await experiments(h) == []
         assert not state.experiments.by_class
+
+
+async def test_split_under_admission_control_keeps_the_candidate_side_on_the_candidate():
+    """The class's admission slot is its own pool's; a request split to the candidate stays
+    there (it is not taken back to the baseline as if it had borrowed)."""
+    cfg = ab_config("split", fraction=1.0)
+    cfg["pools"][0]["max_inflight_per_replica"] = 4
+    async with gateway(cfg, time_scale=0.05, handlers=slow_sims(0.05)) as h:
+        replies = await run_requests(h, 12, concurrency=4)
+        assert {r.headers["x-gateway-pool"] for r in replies} == {"slow"}
+        stats = await h.stats()
+        chat = next(c for c in stats["admission"]["classes"] if c["name"] == "chat")
+        assert chat["inflight"] == 0  # every slot released
+        exp = (await experiments(h))[0]
+        assert exp["arms"]["candidate"]["ok"] == 12
