@@ -243,10 +243,13 @@ def arm_rows(exp: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("engine prefix-cache hit", lambda a: _pct(a.get("prefix_cache_hit_ratio"))),
         ("engine KV usage", lambda a: _pct(a.get("kv_usage"))),
         ("engine queue", lambda a: _num(a.get("queue_length"))),
-        ("in flight at arrival mean / max", lambda a: _concurrency(a.get("concurrency"))),
+        ("in flight at arrival mean / max", lambda a: _mean_max(a.get("concurrency"))),
     ]
     arms = exp["arms"]
     return [(label, f(arms["baseline"]), f(arms["candidate"])) for label, f in rows]
+
+
+SPLIT_NOTE = "compare the arms' percentiles, and the conditions each arm saw"
 
 
 def diff_line(d: dict[str, Any]) -> str:
@@ -263,13 +266,14 @@ def diff_line(d: dict[str, Any]) -> str:
 def condition_lines(c: dict[str, Any]) -> list[str]:
     """The conditions the figures were measured under, one per line."""
     since = c.get("since")
-    started = ("-" if since is None
-               else datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+    # Whole seconds, cut rather than rounded, as the page's Date writes them.
+    started = ("" if since is None else datetime.fromtimestamp(math.floor(since), UTC)
+               .strftime(" since %Y-%m-%d %H:%M:%S UTC"))
     window = "-" if c.get("window_s") is None else f"{c['window_s']:.1f} s"
     p, o = c.get("prompt_tokens") or {}, c.get("output_tokens") or {}
     rate = c.get("arrival_rate_per_s")
     return [
-        f"window {window} since {started} (newest {c.get('max_samples', '-')} samples per arm)",
+        f"window {window}{started} (newest {c.get('max_samples', '-')} samples per arm)",
         f"prompt tokens p50 {_num(p.get('p50'), 0)}, p95 {_num(p.get('p95'), 0)}, "
         f"max {_num(p.get('max'), 0)}",
         f"output tokens p50 {_num(o.get('p50'), 0)}, p95 {_num(o.get('p95'), 0)}, "
@@ -277,6 +281,11 @@ def condition_lines(c: dict[str, Any]) -> list[str]:
         f"arrival rate {'-' if rate is None else f'{rate:.2f}/s'}, "
         f"in flight at arrival {_concurrency(c.get('concurrency'))}",
     ]
+
+
+def _mean_max(c: dict[str, Any] | None) -> str:
+    c = c or {}
+    return f"{_num(c.get('mean'))} / {_num(c.get('max'), 0)}"
 
 
 def _concurrency(c: dict[str, Any] | None) -> str:
@@ -298,9 +307,12 @@ def render_report(body: dict[str, Any]) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                   for r in rows]
-        lines.append(f"  paired requests: {exp['paired']}")
-        lines.append("  TTFT difference (candidate - baseline): " + diff_line(exp["ttft_diff_s"]))
-        lines.append("  TPOT difference (candidate - baseline): " + diff_line(exp["tpot_diff_s"]))
+        if exp["mode"] == "split":
+            lines.append(f"  not paired: a split sends each prefix to one arm only ({SPLIT_NOTE})")
+        else:
+            lines.append(f"  paired requests: {exp['paired']}")
+            for what, key in (("TTFT", "ttft_diff_s"), ("TPOT", "tpot_diff_s")):
+                lines.append(f"  {what} difference (candidate - baseline): {diff_line(exp[key])}")
         if exp["mode"] == "mirror":
             m = exp["mirror"]
             lines.append(f"  mirror copies: sent {m['sent']}, dropped {m['dropped']} "
