@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -101,6 +103,13 @@ def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, 
         # The engines' own figures, scraped by the gateway, are in the report.
         assert exp["arms"]["baseline"]["prefix_cache_hit_ratio"] is not None
         assert exp["arms"]["candidate"]["kv_usage"] is not None
+        # The command line prints the same report from the running gateway.
+        cli = subprocess.run([sys.executable, "-m", "gateway.cli", "experiments", "--url",
+                              gw.url], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert "experiment ab: mirror 100.0% of traffic class chat" in cli.stdout
+        assert "TTFT difference (candidate - baseline)" in cli.stdout
+        assert "conclusive (candidate above baseline" in cli.stdout
         metrics = httpx.get(gw.url + "/metrics", timeout=10).text
         assert ('gateway_experiment_mirror_copies_total{experiment="ab",result="sent"} '
                 f'{float(exp["mirror"]["sent"])}') in metrics
