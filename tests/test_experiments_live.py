@@ -373,3 +373,39 @@ async def test_split_under_admission_control_keeps_the_candidate_side_on_the_can
         assert chat["inflight"] == 0  # every slot released
         exp = (await experiments(h))[0]
         assert exp["arms"]["candidate"]["ok"] == 12
+
+
+async def test_a_mirror_fraction_samples_whole_prefixes():
+    """fraction 0.5: a prefix is mirrored always or never (the candidate's cache sees each
+    mirrored prefix's every request), and about half the prefixes are."""
+    async with gateway(ab_config(fraction=0.5), time_scale=0.05,
+                       handlers=slow_sims(0.05)) as h:
+        core = h.app.core
+        exp = h.app.state.experiments.by_name["ab"]
+        tenants = 40
+        mirrored = {}
+        for t in range(tenants):
+            for q in range(3):
+                payload = {"model": "tiny", "max_tokens": 2, "messages": [
+                    {"role": "system", "content": tenant_prompt(t, 1200)},
+                    {"role": "user", "content": f"question {q}"}]}
+                _, _, arm, pair = core._arm(_request(payload), exp, "chat")
+                assert arm == "baseline"
+                mirrored.setdefault(t, set()).add(pair is not None)
+        assert all(len(v) == 1 for v in mirrored.values()), mirrored
+        share = sum(v == {True} for v in mirrored.values()) / tenants
+        assert 0.25 <= share <= 0.75, share
+        replies = await run_requests(h, 36, concurrency=4, tenants=12)
+        assert all(r.status_code == 200 for r in replies)
+        report = (await experiments(h))[0]
+        assert 0 < report["mirror"]["sent"] < 36
+        assert report["mirror"]["sent"] % 3 == 0  # whole prefixes: 3 requests each
+
+
+def _request(payload: dict[str, Any]) -> Any:
+    import orjson
+
+    from gateway.exchange import InferenceRequest
+
+    return InferenceRequest("/v1/chat/completions", True, payload, orjson.dumps(payload),
+                            "tiny", False)
