@@ -409,3 +409,18 @@ def _request(payload: dict[str, Any]) -> Any:
 
     return InferenceRequest("/v1/chat/completions", True, payload, orjson.dumps(payload),
                             "tiny", False)
+
+
+async def test_without_non_streaming_ttft_the_pairs_have_tokens_and_the_copies_a_ttft():
+    """A non-streaming request relayed whole has no TTFT at the gateway: its pair counts, its
+    output tokens come from the usage, and only its copy (always streamed) has a TTFT."""
+    cfg = ab_config()
+    cfg["server"] = {"non_streaming_ttft": False}
+    async with gateway(cfg, time_scale=0.05, handlers=slow_sims(0.05)) as h:
+        await run_requests(h, 10, concurrency=2)
+        await eventually(lambda: experiments_paired(h, 10))
+        exp = (await experiments(h))[0]
+        assert exp["arms"]["baseline"]["ttft_p50_s"] is None
+        assert exp["arms"]["candidate"]["ttft_p50_s"] > 0
+        assert exp["ttft_diff_s"]["n"] == 0
+        assert exp["conditions"]["output_tokens"]["max"] == 4

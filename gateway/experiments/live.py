@@ -160,7 +160,8 @@ class Trial:
             kind = self.kind
         self._add(Sample(self.arrived, f.ttft_s, tpot, f.duration_s,
                          prompt if isinstance(prompt, int) else None,
-                         tokens if f.ttft_s is not None else None, kind, self.inflight))
+                         tokens if f.ttft_s is not None or usage else None, kind,
+                         self.inflight))
 
     def failed(self, kind: str) -> None:
         """The request ended before any replica answered it."""
