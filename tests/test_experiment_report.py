@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -216,3 +217,33 @@ def test_the_report_text_holds_the_figures_and_conditions() -> None:
 def test_add_refuses_an_unknown_arm() -> None:
     with pytest.raises(ValueError):
         record().add("treatment", ok(0.1))
+
+
+def test_a_report_may_run_in_a_thread_while_samples_arrive() -> None:
+    import threading
+
+    r = record(max_samples=5000)
+    for i in range(5000):
+        r.add("baseline", ok(0.1), pair=i)
+        r.add("candidate", ok(0.2), pair=i)
+    stop = threading.Event()
+
+    def feed() -> None:
+        i = 5000
+        while not stop.is_set():
+            r.add("baseline", ok(0.1), pair=i)
+            r.add("candidate", ok(0.2), pair=i)
+            i += 1
+
+    feeder = threading.Thread(target=feed)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as a busy gateway's would
+    feeder.start()
+    try:
+        reports = [r.report(resamples=10) for _ in range(10)]
+    finally:
+        stop.set()
+        feeder.join(timeout=30)
+        sys.setswitchinterval(switch)
+    assert all(rep["arms"]["baseline"]["requests"] == 5000 for rep in reports)
+    assert all(rep["ttft_diff_s"]["mean"] == pytest.approx(0.1) for rep in reports)

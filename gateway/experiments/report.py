@@ -117,8 +117,12 @@ class ExperimentRecord:
 
     def report(self, engines: dict[str, dict] | None = None, now: float | None = None,
                resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-        """The experiment as GET /admin/experiments shows it (candidate minus baseline)."""
-        ok = {arm: {p: s for s, p in self._samples[arm] if p is not None and s.error is None}
+        """The experiment as GET /admin/experiments shows it (candidate minus baseline).
+
+        It works on a copy of the samples taken at once, so it may run in a thread (the
+        bootstrap takes a while on many pairs) while `add` goes on in the event loop."""
+        held = {arm: list(self._samples[arm]) for arm in ARMS}
+        ok = {arm: {p: s for s, p in held[arm] if p is not None and s.error is None}
               for arm in ARMS}
         base, cand = ok["baseline"], ok["candidate"]
         pairs = [(base[p], cand[p]) for p in base if p in cand]
@@ -131,16 +135,17 @@ class ExperimentRecord:
         return {
             "name": self.name, "mode": self.mode, "traffic_class": self.traffic_class,
             "fraction": self.fraction, "enabled": self.enabled,
-            "arms": {arm: self._arm(arm, (engines or {}).get(arm)) for arm in ARMS},
+            "arms": {arm: self._arm(arm, held[arm], (engines or {}).get(arm)) for arm in ARMS},
             "paired": len(pairs),
             "ttft_diff_s": diff("ttft_s"),
             "tpot_diff_s": diff("tpot_s"),
             "mirror": {k: self._counts[k] for k in ("sent", "dropped", "failed")},
-            "conditions": self._conditions(now),
+            "conditions": self._conditions(held, now),
         }
 
-    def _arm(self, arm: str, engine: dict | None) -> dict[str, Any]:
-        samples = [s for s, _ in self._samples[arm]]
+    def _arm(self, arm: str, held: list[tuple[Sample, int | None]],
+             engine: dict | None) -> dict[str, Any]:
+        samples = [s for s, _ in held]
         good = [s for s in samples if s.error is None]
         errors = Counter(s.error for s in samples if s.error is not None)
         ttft = [s.ttft_s for s in good if s.ttft_s is not None]
@@ -164,11 +169,12 @@ class ExperimentRecord:
             "queue_length": engine.get("queue_length"),
         }
 
-    def _conditions(self, now: float | None) -> dict[str, Any]:
+    def _conditions(self, held: dict[str, list[tuple[Sample, int | None]]],
+                    now: float | None) -> dict[str, Any]:
         # The requests the clients sent: in mirror mode the candidate's are copies of some
         # of the baseline's, so only the baseline's count; in split mode the arms share them.
         arms = ("baseline",) if self.mode == "mirror" else ARMS
-        samples = [s for arm in arms for s, _ in self._samples[arm]]
+        samples = [s for arm in arms for s, _ in held[arm]]
         arrivals = sorted(s.arrived for s in samples)
         since = arrivals[0] if arrivals else None
         end = now if now is not None else max((s.arrived + s.duration_s for s in samples),
