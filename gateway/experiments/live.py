@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-from collections import Counter, deque
 from time import perf_counter, time
 from typing import TYPE_CHECKING, Any
 
@@ -103,14 +101,6 @@ class LiveExperiment:
         """What each arm's engines report: means over the pool's healthy replicas."""
         return {arm: _engine_means(pool) for arm, pool in
                 ((BASELINE, self.baseline), (CANDIDATE, self.candidate))}
-
-    def frozen(self) -> tuple[ExperimentRecord, dict[str, dict[str, float | None]]]:
-        """A copy of the record as it is now, and the engines' figures: what `report` needs,
-        safe to read in another thread while requests keep adding to the record."""
-        rec = copy.copy(self.record)
-        rec._samples = {arm: deque(d, maxlen=d.maxlen) for arm, d in rec._samples.items()}
-        rec._counts = Counter(rec._counts)
-        return rec, self.engines()
 
     def report(self) -> dict[str, Any]:
         return self.record.report(engines=self.engines())
@@ -248,8 +238,10 @@ class Experiments:
         return [e.report() for e in self.by_name.values()]
 
     async def reports_aside(self) -> list[dict[str, Any]]:
-        """`reports()`, computed in a thread from copies: a bootstrap over many pairs takes a
-        second of pure Python, which the event loop must not wait for."""
-        frozen = [e.frozen() for e in self.by_name.values()]
+        """`reports()`, computed in a thread: a bootstrap over many pairs takes up to a second
+        of pure Python, which the event loop must not wait for."""
+        held = [(e.record, e.engines()) for e in self.by_name.values()]
+        # ExperimentRecord.report copies its samples at once (one C call under the GIL), so
+        # requests may keep adding to the records meanwhile.
         return await asyncio.to_thread(
-            lambda: [rec.report(engines=engines) for rec, engines in frozen])
+            lambda: [rec.report(engines=engines) for rec, engines in held])
