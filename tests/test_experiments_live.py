@@ -241,6 +241,15 @@ async def test_copies_beyond_max_concurrency_are_dropped_and_tasks_stay_bounded(
         replies = await run_requests(h, 25, concurrency=5)
         assert len(mirror.tasks) == 3
         assert (await experiments(h))[0]["mirror"]["dropped"] == 47
+        # The kill switch cuts the copies in flight: the candidate stops at once.
+        assert (await h.http.post("/admin/experiments/ab/disable")).status_code == 200
+        await eventually(lambda: not mirror.tasks)
+        exp = (await experiments(h))[0]
+        assert exp["arms"]["candidate"]["errors"] == {"cancelled": 3}
+        assert h.app.state.experiments.by_name["ab"].copies == 0
+        assert (await h.http.post("/admin/experiments/ab/enable")).status_code == 200
+        await run_requests(h, 2, concurrency=1)
+        assert len(mirror.tasks) == 2
     # Stopping the gateway cancelled the hung copies.
     assert not mirror.tasks
 

@@ -218,12 +218,20 @@ class Experiments:
                                                          "again)" if cur else "added"))
         for name in self.by_name.keys() - wanted.keys():
             changes.append(f"experiment {name} removed")
+        for name, exp in self.by_name.items():
+            if wanted.get(name) is not exp or not exp.enabled:
+                self._cut(exp)  # removed, started again or switched off
         self.by_name = wanted
         self._index()
         return changes, not_applied
 
+    def _cut(self, exp: LiveExperiment) -> None:
+        if self.mirror is not None and (n := self.mirror.cancel(exp)):
+            log.info("experiment %s: %d mirror copies in flight cut", exp.name, n)
+
     def switch(self, name: str, enabled: bool) -> LiveExperiment | None:
-        """The kill switch (and back): at once, for the next request. None: no such name."""
+        """The kill switch (and back): from the next request on; switched off, its copies
+        in flight are cut too. None: no such name."""
         exp = self.by_name.get(name)
         if exp is None:
             return None
@@ -232,6 +240,8 @@ class Experiments:
             log.warning("experiment %s %s through the admin API", name,
                         "enabled" if enabled else "disabled")
             self._index()
+            if not enabled:
+                self._cut(exp)
         return exp
 
     def reports(self) -> list[dict[str, Any]]:

@@ -70,7 +70,8 @@ class Mirror:
         self.default_timeouts = default_timeouts
         self.limits = limits
         """Pool -> max_inflight_per_replica (None: unlimited)."""
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: dict[asyncio.Task[None], LiveExperiment] = {}
+        """Copies in flight, and whose."""
 
     def _views(self, pool: Pool, model: str) -> list[ReplicaView]:
         views = pool.healthy_views(model)
@@ -90,9 +91,20 @@ class Mirror:
             return False
         exp.copies += 1
         task = asyncio.get_running_loop().create_task(self._copy(exp, request, headers, pair))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks[task] = exp
+        task.add_done_callback(self._ended)
         return True
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(task, None)
+
+    def cancel(self, exp: LiveExperiment) -> int:
+        """Cut `exp`'s copies in flight (the kill switch): the candidate stops generating
+        them. Returns how many."""
+        mine = [t for t, e in self.tasks.items() if e is exp]
+        for t in mine:
+            t.cancel()
+        return len(mine)
 
     async def stop(self) -> None:
         tasks = list(self.tasks)
