@@ -134,4 +134,4 @@ class Attempt:
                      perf_counter() - self.received_at, ttft, watcher.completion_tokens(), decode)
         self.observer.finished(f)
         if self.trial is not None:
-            self.trial.finished(f, watcher.usage)
+            self.trial.finished(f, watcher.usage, self.request.prompt_tokens)

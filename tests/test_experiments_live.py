@@ -433,3 +433,18 @@ async def test_without_non_streaming_ttft_the_pairs_have_tokens_and_the_copies_a
         assert exp["arms"]["candidate"]["ttft_p50_s"] > 0
         assert exp["ttft_diff_s"]["n"] == 0
         assert exp["conditions"]["output_tokens"]["max"] == 4
+
+
+async def test_streams_without_usage_still_give_the_conditions_their_prompt_lengths():
+    # A client's stream carries no usage unless it asks: the prompt lengths then come from
+    # the router's estimate rather than going missing from the conditions.
+    async with gateway(ab_config(), time_scale=0.5, handlers=slow_sims()) as h:
+        await run_requests(h, 20, stream=True)
+
+        async def settled() -> dict[str, Any] | None:
+            exp = (await experiments(h))[0]
+            return exp if exp["arms"]["baseline"]["requests"] == 20 else None
+
+        prompt = (await eventually(settled))["conditions"]["prompt_tokens"]
+        # tenant_prompt(i, 1200) is 1,200 characters, about 300 tokens at 4 per token.
+        assert prompt["p50"] is not None and 200 < prompt["p50"] < 500, prompt

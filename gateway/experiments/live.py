@@ -140,11 +140,17 @@ class Trial:
         self.kind: str | None = None
         """An error kind that says more than the status (timeout, connect, read)."""
 
-    def finished(self, f: Finished, usage: dict[str, Any] | None) -> None:
-        """The try that answered (or failed) the request ended: `f` as metrics record it."""
+    def finished(self, f: Finished, usage: dict[str, Any] | None,
+                 estimated_prompt_tokens: float | None = None) -> None:
+        """The try that answered (or failed) the request ended: `f` as metrics record it.
+
+        Its prompt length is the engine's count when the answer carried usage (a client's
+        stream carries none unless it asked), else the router's estimate."""
         tokens = f.completion_tokens
         tpot = f.decode_s / (tokens - 1) if f.ttft_s is not None and tokens > 1 else None
         prompt = usage.get("prompt_tokens") if usage else None
+        if not isinstance(prompt, int) and estimated_prompt_tokens:
+            prompt = round(estimated_prompt_tokens)
         kind = error_kind(f.status)
         if kind is not None and self.kind is not None:
             kind = self.kind
