@@ -200,8 +200,8 @@ def test_settings_are_key_values_with_json_values() -> None:
 
 
 def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
-    from gateway.config import RoutingSettings
     from backends.sim.fleet_spec import fleet_profiles
+    from gateway.config import RoutingSettings
     from loadtests.traces import TraceRequest
 
     # 600 distinct 2k-token prompts, 5 a second, over 4 replicas of which the last is three
