@@ -25,7 +25,7 @@ from loadtests.caches import reset_prefix_caches
 from loadtests.fleet import Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import wait_idle
 from loadtests.report import cell, emit_json, markdown_table
-from loadtests.settings import add_workload_param
+from loadtests.settings import add_workload_param, key_value
 from loadtests.traces import TraceRequest, load_requests
 
 SGLANG = "sglang_cache_aware"
@@ -51,7 +51,10 @@ def run_one(router: str, fleet: Fleet, replica_urls: list[str],
         finally:
             handle.stop()
     else:
-        url, proc = rp.start_gateway(fleet, replica_urls, router, name=f"gateway-{router}")
+        policy, *pairs = router.split("/")
+        routing = dict(key_value(p) for p in pairs)
+        url, proc = rp.start_gateway(fleet, replica_urls, policy, routing,
+                                     name=f"gateway-{len(fleet.procs)}-{policy}")
         try:
             data = run_async(rp.replay(url, replica_urls, requests, opts))
         finally:
@@ -90,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_param(p)
     rp.add_fleet_arguments(p)
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
-                   help=f"comma-separated; gateway policies or {SGLANG}")
+                   help=f"comma-separated; gateway policies, each optionally with routing "
+                   f"settings as POLICY/KEY=VALUE/... (prefix_affinity/replica_speed=false), "
+                   f"or {SGLANG}")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=rp.DEFAULT_MAX_OUTPUT)
