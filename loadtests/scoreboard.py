@@ -3,7 +3,8 @@
 Each table is one `python -m loadtests.simulate` command (printed above it), so every figure
 in docs/routing.md comes from a committed command:
 
-    python -m loadtests.scoreboard                 # everything (about 7 min with 2 jobs)
+    python -m loadtests.scoreboard                 # everything (the 32 scenarios of equal
+                                                   # replicas: about 5 min with 2 jobs)
     python -m loadtests.scoreboard --only tenants  # scenarios whose name contains "tenants"
     python -m loadtests.scoreboard --only mixed    # the heterogeneous fleets' scenarios
 """
