@@ -78,4 +78,5 @@ class LoadTracker:
             inflight=inflight,
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
+            speed=self.steps.speed(replica),
         )

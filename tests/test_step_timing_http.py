@@ -43,3 +43,7 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
     # must never land far above the engine's, the side where the step wait outweighs hits.
     assert rate < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, rate
     assert pool["replicas"][0]["engine_step_s"] > 0
+    # The replica's own rate, learned from the same steps; alone, it is the median replica.
+    own = pool["replicas"][0]["prefill_tokens_per_s"]
+    assert own and own < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, own
+    assert pool["replicas"][0]["speed"] == 1.0
