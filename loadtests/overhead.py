@@ -4,9 +4,10 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
-Each gateway runs at its checkout's own server defaults; --no-internal-stream turns
-`non_streaming_ttft` off in this checkout's gateway (non-streaming requests passed through
-instead of streamed from the stubs and reassembled); a baseline keeps its own default.
+Each gateway runs at its checkout's own server defaults; --internal-stream turns
+`non_streaming_ttft` on in this checkout's gateway (non-streaming requests streamed from the
+stubs and reassembled instead of passed through), --no-internal-stream off; a baseline keeps
+its own default.
 
 With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
 this one, and every repetition runs direct, baseline and current in a rotating order; the
@@ -75,19 +76,20 @@ def pin_self(core: int) -> None:
 
 
 def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
-                  internal_stream: bool = True, root: Path = REPO,
+                  internal_stream: bool | None = None, root: Path = REPO,
                   policy: str = "prefix_affinity",
                   admission: int | None = None,
                   redis: dict | None = None) -> tuple[subprocess.Popen, str]:
     """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
-    from; `admission`, a max_inflight_per_replica that puts it under admission control;
-    `redis`, its `redis` section."""
+    from; `internal_stream`, its `non_streaming_ttft` (None: its checkout's default);
+    `admission`, a max_inflight_per_replica that puts it under admission control; `redis`, its
+    `redis` section."""
     pool = {"max_inflight_per_replica": admission} if admission else None
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server=None if internal_stream
-                                    else {"non_streaming_ttft": False},
+                                    server=None if internal_stream is None
+                                    else {"non_streaming_ttft": internal_stream},
                                     pool_settings=pool, redis=redis)
     return proc, url
 
@@ -249,7 +251,7 @@ def start_sglang(f: Fleet, urls: list[str]):
 
 
 @contextlib.contextmanager
-def fleet(count: int, internal_stream: bool = True,
+def fleet(count: int, internal_stream: bool | None = None,
           baseline_root: Path | None = None, admission: int | None = None,
           sglang: bool = False, shared_state: bool = False) -> Iterator[dict]:
     """Stubs and a gateway in front of them (and one from `baseline_root`, and the SGLang
@@ -323,7 +325,7 @@ def measure(args: argparse.Namespace) -> dict:
     are "baseline" and "current", else "gateway" (and "sglang" with --sglang)."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
-    with fleet(args.replicas, not args.no_internal_stream, baseline_root,
+    with fleet(args.replicas, args.internal_stream, baseline_root,
                args.admission, getattr(args, "sglang", False),
                getattr(args, "shared_state", False)) as f:
         stub_pid = f["stub"].pid
@@ -599,9 +601,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang", action="store_true",
                     help="also run the SGLang router (cache_aware; deploy/sglang-router/"
                          "install.sh installs it) in front of the same stubs, interleaved")
-    ap.add_argument("--no-internal-stream", action="store_true",
-                    help="this checkout's gateway with non_streaming_ttft: false (plain "
-                         "non-stream forward); a baseline keeps its own default")
+    ap.add_argument("--internal-stream", dest="internal_stream", action="store_true",
+                    default=None, help="this checkout's gateway with non_streaming_ttft: true "
+                    "(non-streaming requests streamed from the stubs and reassembled); a "
+                    "baseline keeps its own default")
+    ap.add_argument("--no-internal-stream", dest="internal_stream", action="store_false",
+                    help="this checkout's gateway with non_streaming_ttft: false (its default: "
+                         "plain non-stream forward)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--baseline-root", type=Path, metavar="DIR",
                     help="also run a gateway from the checkout in DIR (its own code) and "
