@@ -162,6 +162,20 @@ async def test_a_kept_alive_connection_carries_the_next_request() -> None:
         assert b"user-agent" not in server.requests[0].lower()
 
 
+async def test_an_idle_connection_is_closed_after_the_keepalive_time() -> None:
+    async with serving(fixed(200, b"{}"), keepalive_s=0.1) as (server, upstream):
+        resp = await post(upstream, server)
+        assert await resp.read() == b"{}"
+        resp.release()
+        assert upstream.connections() == 1
+        # Closed by the gateway's side, unused, before the engine's own idle timeout would.
+        await eventually(lambda: server.closed_by_client.is_set())
+        await eventually(lambda: upstream.connections() == 0)
+        resp = await post(upstream, server)
+        assert await resp.read() == b"{}"
+        assert server.accepted == 2
+
+
 async def test_a_fresh_connection_is_used_once() -> None:
     async with serving(fixed(200, b"{}")) as (server, upstream):
         for _ in range(3):

@@ -399,7 +399,8 @@ def _bad_answer(resp: HttptoolsResponse, exc: Exception) -> UpstreamError:
 
 
 class _HostPool:
-    """The idle connections to one replica, most recently used last."""
+    """The connections to one replica: `all` of them, and the idle ones, most recently used
+    last."""
 
     __slots__ = ("all", "idle", "max_idle", "upstream")
 
