@@ -14,6 +14,7 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
+from gateway.experiments.live import Experiments
 from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
@@ -63,6 +64,8 @@ class GatewayState:
             self.shared = SharedRouting(config.redis, self.pools, self.observer, self.redis)
         self.limiter = RateLimiter(config, self.redis)
         self.models = sorted({m for p in self.pools for m in p.models})
+        self.experiments = Experiments(config, self.pool_by_name, self.metrics)
+        """Engine A/B experiments (their copies are sent by the request core's mirror)."""
         self.upstream: Upstream = upstream or new_upstream(config)
         self.monitor = HealthMonitor(self.pools, self.upstream,
                                      HealthEvents(self.observer, self.admission))
@@ -80,6 +83,8 @@ class GatewayState:
     async def stop(self) -> None:
         await self.history.stop()
         await self.monitor.stop()
+        if self.experiments.mirror is not None:
+            await self.experiments.mirror.stop()
         if self.shared is not None:
             await self.shared.stop()
         await self.upstream.aclose()

@@ -196,23 +196,42 @@ def settings_for(policy: str, given: dict[str, Any], *, strict: bool = True) -> 
     return RoutingSettings(**kept)
 
 
-def simulate(
+@dataclass(slots=True)
+class PoolRun:
+    """What one simulated pool did with a workload's requests, per request (indexed as the
+    workload's requests; -1 / NaN for a request it did not serve)."""
+
+    names: list[str]
+    engines: list[EngineModel]
+    router: Router
+    replica_of: list[int]
+    first_at: list[float]
+    finish_at: list[float]
+    out_tokens: list[int]
+    inflight_at_arrival: list[int]
+    """Requests running or waiting on the pool's engines when each one arrived."""
+    prefill_done: list[float]
+    routed: list[int]
+    inflight_ratios: list[float]
+
+
+def run_pool(
     workload: Workload,
     policy: str = "prefix_affinity",
     *,
     replicas: int = 8,
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
-    profile: str = DEFAULT_PROFILE,
+    profile: LatencyProfile,
     max_output: int = DEFAULT_MAX_OUTPUT,
     engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
     settings: RoutingSettings | None = None,
     policy_params: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Run one policy over the workload; returns the replay's report keys."""
-    if profile not in PROFILES:
-        raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    only: Sequence[int] | None = None,
+) -> PoolRun:
+    """Route the workload's requests (or those listed in `only`, in time order) over a pool of
+    simulated replicas of `profile` as the gateway does; per request, what happened."""
     settings = settings or RoutingSettings()
-    prof = PROFILES[profile]
+    prof = profile
     names = [f"r{i}" for i in range(replicas)]
     engines = {n: EngineModel(prof, kv_capacity_tokens, engine_block_tokens) for n in names}
     engine_list = [engines[n] for n in names]
@@ -233,11 +252,13 @@ def simulate(
     routing_reqs = workload.routing_requests(router)
     engine_hashes, prompt_tokens = workload.engine_prompts(engine_block_tokens)
     n = len(reqs)
+    order = range(n) if only is None else only
     replica_of = [-1] * n
     decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
     finish_at = [math.nan] * n
     out_tokens = [0] * n
+    inflight_at_arrival = [0] * n
     prefill_done = [0.0] * replicas  # true uncached prompt tokens computed, per replica
     routed = [0] * replicas
     index_of = {name: i for i, name in enumerate(names)}
@@ -245,7 +266,7 @@ def simulate(
     # As the HTTP replay samples the replicas' /metrics: every 0.5 s, max over mean of
     # running + waiting, kept when the mean is at least 1; the report takes the peak.
     inflight_ratios: list[float] = []
-    next_sample = reqs[0].timestamp_s if reqs else 0.0
+    next_sample = reqs[order[0]].timestamp_s if order else 0.0
 
     def sample_until(t: float) -> None:
         nonlocal next_sample
@@ -298,11 +319,13 @@ def simulate(
             sample_until(t)
             step(t, i)
 
-    for rid, req in enumerate(reqs):
+    for rid in order:
+        req = reqs[rid]
         now = req.timestamp_s
         # Engine events at the arrival instant happen first: a step ending now frees its slot.
         drain_until(now)
         sample_until(now)
+        inflight_at_arrival[rid] = sum(e.num_running + e.num_waiting for e in engine_list)
         rr = routing_reqs[rid]
         views = [router.load.view(name, now) for name in names]
         if oracle is not None:
@@ -321,6 +344,35 @@ def simulate(
         routed[i] += 1
         reschedule(i)
     drain_until(math.inf)
+
+    return PoolRun(names, engine_list, router, replica_of, first_at, finish_at, out_tokens,
+                   inflight_at_arrival, prefill_done, routed, inflight_ratios)
+
+
+def simulate(
+    workload: Workload,
+    policy: str = "prefix_affinity",
+    *,
+    replicas: int = 8,
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    profile: str = DEFAULT_PROFILE,
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
+    settings: RoutingSettings | None = None,
+    policy_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run one policy over the workload; returns the replay's report keys."""
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    prof = PROFILES[profile]
+    run = run_pool(workload, policy, replicas=replicas, kv_capacity_tokens=kv_capacity_tokens,
+                   profile=prof, max_output=max_output, engine_block_tokens=engine_block_tokens,
+                   settings=settings, policy_params=policy_params)
+    reqs = workload.requests
+    n = len(reqs)
+    replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
+    out_tokens, engine_list, router = run.out_tokens, run.engines, run.router
+    routed, prefill_done, inflight_ratios = run.routed, run.prefill_done, run.inflight_ratios
 
     done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
     ttfts = [first_at[r] - reqs[r].timestamp_s for r in done]
