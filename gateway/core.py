@@ -426,7 +426,9 @@ class RequestCore:
                 reply = await relay_assembled(resp, attempt, link, extra,
                                               call.request.chat, self.max_response)
             else:
-                attempt.sent()  # the body is read whole: its first byte is its headers
+                # Still held while the body is read: nothing reaches the client until it is
+                # whole, so first_byte_s, the client leaving and the stall watch can still
+                # interrupt it, and a broken or garbage answer is tried elsewhere.
                 reply = await relay_passthrough(resp, attempt, link, extra,
                                                 self.max_response)
             attempt.sent()

@@ -36,6 +36,12 @@ def ab_config(mode: str = "mirror", *, baseline: str = "fast", candidate: str = 
     }
 
 
+def timed(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with non-streaming requests streamed internally: passed through (the default),
+    the baseline's answers would have no TTFT to pair with the copies'."""
+    return {**config, "server": {"non_streaming_ttft": True}}
+
+
 def slow_sims(time_scale: float = 0.5) -> dict[str, Handler]:
     """The `slow` pool's replicas on the 32B profile (about 4x slower prefill than 8B)."""
     return {f"slow-{i}": sim_handler(SimApp.from_spec(SimReplicaSpec(
@@ -70,7 +76,7 @@ async def run_requests(h: Harness, n: int, concurrency: int = 8, stream: bool = 
 
 
 async def test_mirror_reports_a_slower_candidate_paired_and_the_client_gets_the_baseline():
-    async with gateway(ab_config(), time_scale=0.5, handlers=slow_sims()) as h:
+    async with gateway(timed(ab_config()), time_scale=0.5, handlers=slow_sims()) as h:
         replies = await run_requests(h, 300)
         assert {r.headers["x-gateway-pool"] for r in replies} == {"fast"}
         assert all(r.parse().choices[0].message.content for r in replies)
@@ -134,7 +140,7 @@ def test_bad_experiment_configs_are_rejected_with_a_clear_error():
 
 
 async def test_swapped_arms_give_the_opposite_sign():
-    config = ab_config(baseline="slow", candidate="fast")
+    config = timed(ab_config(baseline="slow", candidate="fast"))
     async with gateway(config, time_scale=0.5, handlers=slow_sims()) as h:
         replies = await run_requests(h, 200)
         assert {r.headers["x-gateway-pool"] for r in replies} == {"slow"}

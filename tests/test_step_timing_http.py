@@ -26,7 +26,10 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
                 # Until the rate is learned (20 samples, about one per request), or 80 sent.
                 for i in range(80):
                     prompt = f"request {i}: " + "fresh words that nobody cached before " * 100
-                    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+                    # Streamed: its first token ends its prefill step (a non-streaming
+                    # request is passed through whole by default).
+                    list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                                   stream=True))
                     if i >= 19:
                         stats = httpx.get(gw.url + "/admin/stats").json()
                         if stats["pools"][0]["prefill_tokens_per_s"]:
