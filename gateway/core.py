@@ -288,7 +288,9 @@ class RequestCore:
         if routing is None and not pool.hashes_engine_tokens:
             routing = _hash_chars(request, pool, cls)
         assemble = False
-        if not request.stream and self.internal_stream:
+        # An experiment compares TTFT: its class's whole answers are timed whatever the
+        # server's default (the cost falls on the classes under trial only).
+        if not request.stream and (self.internal_stream or exp is not None):
             payload["stream"] = True
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),

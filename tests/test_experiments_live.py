@@ -36,12 +36,6 @@ def ab_config(mode: str = "mirror", *, baseline: str = "fast", candidate: str = 
     }
 
 
-def timed(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with non-streaming requests streamed internally: passed through (the default),
-    the baseline's answers would have no TTFT to pair with the copies'."""
-    return {**config, "server": {"non_streaming_ttft": True}}
-
-
 def slow_sims(time_scale: float = 0.5) -> dict[str, Handler]:
     """The `slow` pool's replicas on the 32B profile (about 4x slower prefill than 8B)."""
     return {f"slow-{i}": sim_handler(SimApp.from_spec(SimReplicaSpec(
@@ -76,7 +70,7 @@ async def run_requests(h: Harness, n: int, concurrency: int = 8, stream: bool = 
 
 
 async def test_mirror_reports_a_slower_candidate_paired_and_the_client_gets_the_baseline():
-    async with gateway(timed(ab_config()), time_scale=0.5, handlers=slow_sims()) as h:
+    async with gateway(ab_config(), time_scale=0.5, handlers=slow_sims()) as h:
         replies = await run_requests(h, 300)
         assert {r.headers["x-gateway-pool"] for r in replies} == {"fast"}
         assert all(r.parse().choices[0].message.content for r in replies)
@@ -140,7 +134,7 @@ def test_bad_experiment_configs_are_rejected_with_a_clear_error():
 
 
 async def test_swapped_arms_give_the_opposite_sign():
-    config = timed(ab_config(baseline="slow", candidate="fast"))
+    config = ab_config(baseline="slow", candidate="fast")
     async with gateway(config, time_scale=0.5, handlers=slow_sims()) as h:
         replies = await run_requests(h, 200)
         assert {r.headers["x-gateway-pool"] for r in replies} == {"slow"}
@@ -426,18 +420,21 @@ def _request(payload: dict[str, Any]) -> Any:
                             "tiny", False)
 
 
-async def test_without_non_streaming_ttft_the_pairs_have_tokens_and_the_copies_a_ttft():
-    """A non-streaming request relayed whole has no TTFT at the gateway: its pair counts, its
-    output tokens come from the usage, and only its copy (always streamed) has a TTFT."""
+async def test_an_experiments_class_is_timed_even_with_non_streaming_ttft_off():
+    """Whole answers are passed through by default, with no first token to time; a class under
+    an experiment is streamed from the replica all the same, so its pairs have a TTFT on both
+    sides, and the client still gets a whole JSON answer."""
     cfg = ab_config()
     cfg["server"] = {"non_streaming_ttft": False}
     async with gateway(cfg, time_scale=0.05, handlers=slow_sims(0.05)) as h:
-        await run_requests(h, 10, concurrency=2)
+        replies = await run_requests(h, 10, concurrency=2)
+        assert all(r.parse().choices[0].message.content for r in replies)
+        assert all(r.parse().usage.completion_tokens == 4 for r in replies)
         await eventually(lambda: experiments_paired(h, 10))
         exp = (await experiments(h))[0]
-        assert exp["arms"]["baseline"]["ttft_p50_s"] is None
+        assert exp["arms"]["baseline"]["ttft_p50_s"] > 0
         assert exp["arms"]["candidate"]["ttft_p50_s"] > 0
-        assert exp["ttft_diff_s"]["n"] == 0
+        assert exp["ttft_diff_s"]["n"] == 10
         assert exp["conditions"]["output_tokens"]["max"] == 4
 
 
