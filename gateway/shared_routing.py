@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefix_gateway.shared")
 
+Insert = tuple[str, str, float, Sequence[int], float]
+"""A prefix routed here: (pool, replica, decided at (time.time()), block hashes, uncached
+prompt tokens it cost the replica)."""
+
 MESSAGES = Messages(
     log,
     down="shared routing state: Redis at {url} does not answer {when} ({error}): this gateway "
@@ -96,9 +100,10 @@ class SharedRouting:
         self.streams = {name: self.link.key("routing", name, "inserts") for name in self.pools}
         self.load_keys = {name: self.link.key("routing", name, "load") for name in self.pools}
         self._pool_of_stream = {k.encode(): name for name, k in self.streams.items()}
-        self.queue: deque[tuple[str, str, float, Sequence[int]]] = deque()
-        """(pool, replica, decided at (time.time()), block hashes), oldest first."""
-        self.recent: deque[tuple[str, str, float, Sequence[int]]] = deque(
+        self.queue: deque[Insert] = deque()
+        """(pool, replica, decided at (time.time()), block hashes, uncached tokens), oldest
+        first."""
+        self.recent: deque[Insert] = deque(
             maxlen=s.resync_inserts)
         """The last inserts this gateway published, to publish again when a peer asks."""
         self.last_ids: dict[str, str] = {k: "0-0" for k in self.streams.values()}
@@ -118,17 +123,17 @@ class SharedRouting:
 
     # On the request's path: one append ----------------------------------------------------
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int]], None]:
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
         queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
 
-        def recorded(replica: str, hashes: Sequence[int]) -> None:
+        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
             if len(queue) >= cap:
                 dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes))
+            queue.append((pool, replica, now(), hashes, uncached))
 
         return recorded
 
-    def _dropped(self, item: tuple[str, str, float, Sequence[int]]) -> None:
+    def _dropped(self, item: Insert) -> None:
         self.observer.shared_inserts(item[0], "dropped", 1)
 
     # Running ------------------------------------------------------------------------------
@@ -279,14 +284,14 @@ class SharedRouting:
         return replies
 
     @staticmethod
-    def _by_pool(batch: list[tuple[str, str, float, Sequence[int]]]
-                 ) -> dict[str, list[list[Any]]]:
+    def _by_pool(batch: list[Insert]) -> dict[str, list[list[Any]]]:
         out: dict[str, list[list[Any]]] = {}
-        for pool, replica, at, hashes in batch:
-            out.setdefault(pool, []).append([replica, round(at, 6), list(hashes)])
+        for pool, replica, at, hashes, uncached in batch:
+            out.setdefault(pool, []).append([replica, round(at, 6), list(hashes),
+                                             round(uncached, 1)])
         return out
 
-    def _requeue(self, batch: list[tuple[str, str, float, Sequence[int]]]) -> None:
+    def _requeue(self, batch: list[Insert]) -> None:
         """Put unwritten inserts back before those queued since, keeping the newest."""
         queue = self.queue
         queue.extendleft(reversed(batch))
@@ -358,11 +363,14 @@ class SharedRouting:
                 self._republish_at = self._republish_at or time.monotonic()
                 continue
             items = orjson.loads(fields[b"d"])
-            applied = router.apply_remote_inserts((r, h) for r, _, h in items)
+            # [replica, decided at, hashes, uncached tokens] (no uncached: an older gateway's)
+            applied = router.apply_remote_inserts(
+                (item[0], item[2], item[3] if len(item) > 3 else 0.0) for item in items)
             self.observer.shared_inserts(pool_name, "applied", applied)
             if b"r" in fields:
                 continue  # published again: its lag is the outage's, not the sharing's
-            for _, at, _ in items:
+            for item in items:
+                at = item[1]
                 if at >= self.started_at:  # not what was decided before this gateway began
                     observe(pool_name, max(0.0, now - at))
 
