@@ -240,9 +240,8 @@ class SharedRouting:
         round trip per `_BLOCK_S`."""
         s = self.settings
         delay = _BACKOFF_S[0]
-        block_ms = max(1, int(1000 * min(_BLOCK_S, self.link.client.connection_pool
-                                          .connection_kwargs.get("socket_timeout") or 5.0)
-                              / 2))
+        timeout = self.link.client.connection_pool.connection_kwargs.get("socket_timeout")
+        block_ms = max(1, int(1000 * min(_BLOCK_S, (timeout or 5.0) / 2)))
         while True:
             behind = False
 
