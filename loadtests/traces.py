@@ -308,8 +308,9 @@ def home_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | No
 
 def warm_misses(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
                 reasons: Sequence[str | None]) -> dict[str, int]:
-    """The warm requests `agreement` counts as missing their home, by the reason their gateway
-    gave (`x-gateway-route-reason`; "unknown" without it), each split by whether the replica
+    """The warm requests `agreement` counts as misses (not sent to the replica that served
+    their longest shared prefix last), by the reason their gateway gave
+    (`x-gateway-route-reason`; "unknown" without it), each split by whether the replica
     chosen had served the same longest shared prefix before (`REASON+held`: the prefix had
     several holders and the gateway picked another one) or not (`REASON+new`).
 
