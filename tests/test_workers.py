@@ -167,11 +167,18 @@ def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
     threads: list[threading.Thread] = []
 
     def both_busy() -> bool:
-        t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
-        t.start()
-        threads.append(t)
-        busy = [w for w in stats(gw)["workers"] if w["inflight"]]
-        return len(busy) == WORKERS
+        workers = stats(gw)["workers"]
+        # Every stream started is in flight (none still connecting, which SIGTERM would
+        # refuse), and each worker holds one.
+        inflight = sum(w["inflight"] for w in workers)
+        if inflight == len(threads) - len(results) and len(workers) == WORKERS and all(
+                w["inflight"] for w in workers):
+            return True
+        if len(threads) - len(results) <= inflight:
+            t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
+            t.start()
+            threads.append(t)
+        return False
 
     poll(both_busy, deadline_s=30, interval_s=0.2)
     assert not results, "the streams should still be running when SIGTERM is sent"
