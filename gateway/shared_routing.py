@@ -268,9 +268,9 @@ class SharedRouting:
         return await self.read(None)
 
     async def write(self, with_load: bool) -> None:
-        """Write the queued inserts and, with `with_load`, this gateway's load if it changed
-        (or its heartbeat is due): one pipelined round trip, none when there is nothing to
-        write. On an outage the inserts go back to the queue."""
+        """Write the queued inserts and, with them or with `with_load`, this gateway's load
+        if it changed (or its heartbeat is due): one pipelined round trip, none when there
+        is nothing to write. On an outage the inserts go back to the queue."""
         s = self.settings
         batch = list(self.queue)
         self.queue.clear()
@@ -278,7 +278,9 @@ class SharedRouting:
         trim = ("MAXLEN", "~", s.stream_max_entries)
         pools = self._by_pool(batch)
         loads: dict[str, bytes] = {}
-        if with_load:
+        # With inserts, the load too: the requests just decided are in flight, and the other
+        # gateways see them as soon as they see the decisions.
+        if with_load or batch:
             now = time.time()
             heartbeat = now - self._load_sent >= s.load_ttl_s / 3
             for pool in self.pools.values():
