@@ -501,7 +501,8 @@ class SharedRoutingConfig(_Strict):
                                     "other gateways' read (nothing is sent when idle)")
     load_interval_s: float = Field(0.05, ge=0.01, le=5.0, description="how often a gateway "
                                    "with requests in flight looks at its load per replica, "
-                                   "publishing it when it changed")
+                                   "publishing it when it changed (each write of decisions "
+                                   "carries it too)")
     load_ttl_s: float = Field(3.0, ge=0.1, le=600, description="a gateway's published load "
                               "older than this is ignored (a gateway that stopped or lost "
                               "Redis); it republishes unchanged load every third of it")
