@@ -134,15 +134,18 @@ class HealthMonitor:
 
     async def _ask(self, pool: Pool, r: ReplicaState, silent_since: float,
                    limit: float) -> None:
-        """A health check of a replica that looks stalled. Unanswered (within half the
-        silence allowed, or `health.timeout_s` if shorter) while the replica stayed silent:
-        it is stalled, and ejected; its requests that have sent nothing to their client yet are
-        tried on another replica. A pool's last healthy replica is kept: with nowhere else
-        to go, ejecting it would turn requests that wait into requests that fail."""
-        # Timed out after half the silence allowed: asked after the other half, a frozen
-        # replica is out when its silence reaches the limit, as with no asking at all.
+        """A health check of a replica that looks stalled. Unanswered (within
+        `health.timeout_s`) while the replica stayed silent: it is stalled, and ejected; its
+        requests that have sent nothing to their client yet are tried on another replica. A
+        pool's last healthy replica is kept: with nowhere else to go, ejecting it would turn
+        requests that wait into requests that fail."""
+        # The check gets the health timeout the operator set, not a share of the silence
+        # allowed: on a saturated host a starved engine answers late, and cutting the wait
+        # shorter took such live replicas for frozen ones, every replica a request was
+        # tried on in turn (502s). A frozen replica is out after half its limit plus that
+        # timeout.
         outcome, why = await pool.adapter.check(self.upstream, r.base_url,
-                                                min(pool.health.timeout_s, limit / 2))
+                                                pool.health.timeout_s)
         now = time.perf_counter()
         if outcome is Probe.OK:
             r.answered_at = now

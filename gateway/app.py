@@ -31,6 +31,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.fleet import Fleet
 from gateway.reload import Reloader
 from gateway.state import GatewayState
+from gateway.workerload import WorkerLoad
 from gateway.workerview import WorkerView
 
 _NOT_JSON = object()
@@ -66,10 +67,13 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
             watch = asyncio.create_task(reloader.run())
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.request)
-        shared = None
+        shared = loads = None
         if view is not None:
             view.write()
             shared = asyncio.create_task(view.run())
+            if state.shared is None:  # no Redis shares the load: the workers share theirs
+                loads = WorkerLoad(view.directory, state)
+                loads_task = asyncio.create_task(loads.run())
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk
         # it on the hot path (about 6% of the gateway's CPU under load, docs/benchmarks.md).
@@ -82,6 +86,10 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
+            if loads is not None:
+                loads_task.cancel()
+                await asyncio.gather(loads_task, return_exceptions=True)
+                loads.remove()
             if shared is not None:
                 shared.cancel()
                 await asyncio.gather(shared, return_exceptions=True)

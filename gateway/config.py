@@ -535,12 +535,14 @@ class SharedRoutingConfig(_Strict):
 
     enabled: bool = Field(True, description="share routing state through Redis (false: each "
                           "gateway routes on its own state alone)")
-    flush_interval_s: float = Field(0.025, ge=0.005, le=1.0, description="how often the "
-                                    "prefixes routed since the last flush are written to "
-                                    "Redis, in one pipelined round trip")
+    flush_interval_s: float = Field(0.025, ge=0.005, le=1.0, description="at most how "
+                                    "often the prefixes routed since the last write are "
+                                    "written to Redis, in one pipelined round trip, and the "
+                                    "other gateways' read (nothing is sent when idle)")
     load_interval_s: float = Field(0.05, ge=0.01, le=5.0, description="how often a gateway "
-                                   "publishes its load per replica (when it changed) and "
-                                   "reads the others'")
+                                   "with requests in flight looks at its load per replica, "
+                                   "publishing it when it changed (each write of decisions "
+                                   "carries it too)")
     load_ttl_s: float = Field(3.0, ge=0.1, le=600, description="a gateway's published load "
                               "older than this is ignored (a gateway that stopped or lost "
                               "Redis); it republishes unchanged load every third of it")

@@ -1,23 +1,29 @@
 """Routing state shared by the gateways using one Redis: prefix inserts and load.
 
 Each gateway routes on its own router as before: the index is updated at decision time, in
-the request's own step, and nothing on a request's path waits for Redis. What is shared
-travels beside it, in one background task that, every `flush_interval_s`, sends one
-pipelined round trip:
+the request's own step, and nothing on a request's path waits for Redis (it appends the
+decision to a queue). What is shared travels beside it, on one stream per pool
+(`{prefix}routing:{pool}:inserts`, trimmed to about `stream_max_entries`), through two
+background tasks, each with a connection of its own:
 
-- the prefix inserts decided since the last tick, as one entry per pool on that pool's
-  stream (`{prefix}routing:{pool}:inserts`, trimmed to about `stream_max_entries`);
-- an XREAD of the streams from the last entry read: the other gateways' inserts, applied to
-  this gateway's routers (`Router.apply_remote_inserts`);
-- every `load_interval_s`, this gateway's own load per replica into the pool's hash
-  (`{prefix}routing:{pool}:load`, one field per gateway, stamped with the writer's time) and
-  a read of the other gateways' fields (`Router.apply_remote_load`).
+- the writer, woken by the first insert queued and looking at this gateway's load every
+  `load_interval_s` (locally, and only while it has requests in flight), sends one
+  pipelined round trip when there is something to write: the inserts decided since the
+  last write and this gateway's load per replica when it changed (in flight and pending
+  prefill, stamped with the writer's time; again every third of `load_ttl_s` while not
+  empty), as one entry per pool; at most once per `flush_interval_s`, so that a busy
+  gateway batches, and never when idle;
+- the reader blocks on the streams (XREAD BLOCK) from the last entry read until another
+  gateway writes, applies their inserts to this gateway's routers
+  (`Router.apply_remote_inserts`) and the sum of their latest loads
+  (`Router.apply_remote_load`), then reads again after `flush_interval_s`. A load older than
+  `load_ttl_s` no longer counts; a gateway that stops says it has none.
 
 Inserts wait in a bounded queue, the oldest dropped (and counted) when Redis is slow or away.
 Each carries the time its gateway decided it; the reader observes the time from there to its
-being applied (`gateway_shared_state_lag_seconds`). When Redis goes away, the task logs it
+being applied (`gateway_shared_state_lag_seconds`). When Redis goes away, the tasks log it
 once (and once when it returns), the gateway routes on its own state (the other gateways'
-load is dropped) and it retries with a growing backoff. On return, a gateway that may have
+load is dropped) and they retry with a growing backoff. On return, a gateway that may have
 missed entries (its stream was trimmed past the last one it read, or Redis lost it) asks the
 others to publish their recent inserts again.
 """
@@ -30,7 +36,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -47,6 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefix_gateway.shared")
 
+Insert = tuple[str, str, float, Sequence[int], float]
+"""A prefix routed here: (pool, replica, decided at (time.time()), block hashes, uncached
+prompt tokens it cost the replica)."""
+
 MESSAGES = Messages(
     log,
     down="shared routing state: Redis at {url} does not answer {when} ({error}): this gateway "
@@ -57,15 +67,11 @@ MESSAGES = Messages(
 
 _READ_COUNT = 256
 _BACKOFF_S = (0.05, 2.0)
+_BLOCK_S = 1.0
+"""Longest wait of a read for another gateway's entry (at most half the Redis timeout)."""
 _RESYNC_EVERY_S = 1.0
 """A gateway publishes its recent inserts again at most this often, however many ask."""
 
-_FORGET_STALE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
-end
-return 0
-"""
 
 
 def _pairs(reply: Any) -> dict[bytes, Any]:
@@ -94,11 +100,11 @@ class SharedRouting:
         self.link = RedisLink(cfg, self._changed, client=client, messages=MESSAGES)
         self.pools = {p.name: p for p in pools}
         self.streams = {name: self.link.key("routing", name, "inserts") for name in self.pools}
-        self.load_keys = {name: self.link.key("routing", name, "load") for name in self.pools}
         self._pool_of_stream = {k.encode(): name for name, k in self.streams.items()}
-        self.queue: deque[tuple[str, str, float, Sequence[int]]] = deque()
-        """(pool, replica, decided at (time.time()), block hashes), oldest first."""
-        self.recent: deque[tuple[str, str, float, Sequence[int]]] = deque(
+        self.queue: deque[Insert] = deque()
+        """(pool, replica, decided at (time.time()), block hashes, uncached tokens), oldest
+        first."""
+        self.recent: deque[Insert] = deque(
             maxlen=s.resync_inserts)
         """The last inserts this gateway published, to publish again when a peer asks."""
         self.last_ids: dict[str, str] = {k: "0-0" for k in self.streams.values()}
@@ -109,33 +115,42 @@ class SharedRouting:
         self._own_load: dict[str, bytes] = {}
         self._load_sent = 0.0
         self._check_gap = False
+        self._loads: dict[str, dict[bytes, tuple[float, dict[str, list[float]]]]] = {
+            name: {} for name in self.pools}
+        """Pool -> other gateway's id -> (written at, {replica: [in flight, pending]})."""
+        self._wake = asyncio.Event()
+        """Set by the first insert queued: the writer writes it without waiting."""
         self._tasks: list[asyncio.Task[None]] = []
-        self._conn: Connection | None = None
+        self._conns: dict[str, Connection] = {}
         self._failures: set[str] = set()
-        self._forget_stale = self.link.client.register_script(_FORGET_STALE)
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
 
     # On the request's path: one append ----------------------------------------------------
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int]], None]:
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
         queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
 
-        def recorded(replica: str, hashes: Sequence[int]) -> None:
-            if len(queue) >= cap:
+        wake = self._wake
+
+        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
+            if not queue:
+                wake.set()
+            elif len(queue) >= cap:
                 dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes))
+            queue.append((pool, replica, now(), hashes, uncached))
 
         return recorded
 
-    def _dropped(self, item: tuple[str, str, float, Sequence[int]]) -> None:
+    def _dropped(self, item: Insert) -> None:
         self.observer.shared_inserts(item[0], "dropped", 1)
 
     # Running ------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.observer.shared_up(False)  # the series exists from the start
-        self._tasks = [asyncio.create_task(self._loop(), name="shared-routing")]
+        self._tasks = [asyncio.create_task(self._write_loop(), name="shared-routing-write"),
+                       asyncio.create_task(self._read_loop(), name="shared-routing-read")]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -146,20 +161,21 @@ class SharedRouting:
         if self.link.up:  # peers stop counting this gateway's load at once (best effort)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._forget_own_load(), 1.0)
-        if self._conn is not None:
-            await self._conn.disconnect()
+        for conn in self._conns.values():
+            await conn.disconnect()
         await self.link.aclose()
 
     async def _forget_own_load(self) -> None:
-        pipe = self.link.client.pipeline(transaction=False)
-        for key in self.load_keys.values():
-            pipe.hdel(key, self.id)
-        await pipe.execute()
+        now = time.time()
+        await self._round_trip("write", [
+            ("XADD", key, "MAXLEN", "~", self.settings.stream_max_entries, "*", "g", self.id,
+             "l", b'{"t":%r,"r":{}}' % now) for key in self.streams.values()])
 
     def _changed(self, up: bool) -> None:
         self.observer.shared_up(up)
         if not up:
             # Others' load is no longer known: route on this gateway's own.
+            self._loads = {name: {} for name in self.pools}
             for pool in self.pools.values():
                 pool.router.apply_remote_load({})
             self._own_load = {}  # publish it again as soon as Redis is back
@@ -172,121 +188,203 @@ class SharedRouting:
             self._failures.add(what)
             log.error("shared routing state: %s (retrying)", what, exc_info=exc)
 
-    async def _loop(self) -> None:
+    async def _guarded(self, step: Callable[[], Awaitable[Any]]) -> bool:
+        """Run one step of a loop; an outage or a bug is reported (False: back off)."""
+        try:
+            await step()
+        except UNAVAILABLE as exc:
+            self.link.mark_down(exc)
+            return False
+        except Exception as exc:  # a bug must not end the sharing
+            self._failed(exc)
+            return False
+        return True
+
+    async def _write_loop(self) -> None:
+        """Writes when there is something to write: inserts (woken by the first one queued),
+        this gateway's load when it changed (looked at every `load_interval_s`, locally) or
+        its heartbeat is due, a republish; at most once per `flush_interval_s`, so that a
+        busy gateway batches. An idle one sends nothing."""
         s = self.settings
         delay = _BACKOFF_S[0]
         next_load = 0.0
-        behind = failed = False
+        wake = self._wake
         while True:
-            if failed:  # an outage, or a bug: retried with a growing backoff
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_S[1])
-            elif not behind:
-                await asyncio.sleep(s.flush_interval_s)
+            if not self.queue and self._republish_at is None:
+                # Nothing in flight here, and said so: only a decision (which wakes it) can
+                # change that, so there is nothing to look at until one comes.
+                timeout = None if self._quiet() else max(0.0, next_load - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
+            wake.clear()
             now = time.monotonic()
             load_due = now >= next_load
-            behind, failed = False, True
-            try:
-                if self._check_gap:  # before reading on: the gap is measured from the last id
-                    await self._ask_if_missed()
-                behind = await self.tick(load_due)
-            except UNAVAILABLE as exc:
-                self.link.mark_down(exc)
-                continue
-            except Exception as exc:  # a bug must not end the sharing
-                self._failed(exc)
-                continue
-            failed = False
-            delay = _BACKOFF_S[0]
             if load_due:
                 next_load = now + s.load_interval_s
+            if await self._guarded(lambda load_due=load_due: self.write(load_due)):
+                delay = _BACKOFF_S[0]
+                await asyncio.sleep(s.flush_interval_s)
+            else:  # an outage, or a bug: retried with a growing backoff
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+
+    def _quiet(self) -> bool:
+        """This gateway has nothing in flight and the others know it."""
+        return all(self._own_load.get(name) == b"{}" and self._load_of(pool) == b"{}"
+                   for name, pool in self.pools.items())
+
+    async def _read_loop(self) -> None:
+        """Blocks on the streams until another gateway writes (or `_BLOCK_S` passes, to let
+        the others' load age out), applies what came, and reads again after
+        `flush_interval_s` (at once when a read did not take all): an idle gateway costs one
+        round trip per `_BLOCK_S`."""
+        s = self.settings
+        delay = _BACKOFF_S[0]
+        timeout = self.link.client.connection_pool.connection_kwargs.get("socket_timeout")
+        block_ms = max(1, int(1000 * min(_BLOCK_S, (timeout or 5.0) / 2)))
+        while True:
+            behind = False
+
+            async def step() -> None:
+                nonlocal behind
+                if self._check_gap:  # before reading on: the gap is measured from the last id
+                    await self._ask_if_missed()
+                behind = await self.read(block_ms)
+
+            if await self._guarded(step):
+                delay = _BACKOFF_S[0]
+                if not behind:
+                    await asyncio.sleep(s.flush_interval_s)
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
 
     # Writing ------------------------------------------------------------------------------
 
     async def tick(self, with_load: bool) -> bool:
-        """Write the queued inserts and read the other gateways' new ones (and, with
-        `with_load`, write this gateway's load and read the others'): one pipelined round
-        trip. On an outage the inserts go back to the queue. True: a stream had more entries
-        than one read takes (read on at once)."""
+        """One write and one read that does not wait (what the two loops do, by hand): True
+        when a stream had more entries than one read takes."""
+        await self.write(with_load)
+        return await self.read(None)
+
+    async def write(self, with_load: bool) -> None:
+        """Write the queued inserts and, with them or with `with_load`, this gateway's load
+        if it changed (or its heartbeat is due): one pipelined round trip, none when there
+        is nothing to write. On an outage the inserts go back to the queue."""
         s = self.settings
         batch = list(self.queue)
         self.queue.clear()
         republish = self._due_republish()
         trim = ("MAXLEN", "~", s.stream_max_entries)
-        commands: list[tuple[Any, ...]] = []
         pools = self._by_pool(batch)
-        for pool, items in pools.items():
-            commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
-                             "d", orjson.dumps(items)))
-        if republish:
-            for pool, items in self._by_pool(list(self.recent)).items():
-                commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
-                                 "d", orjson.dumps(items), "r", "1"))
-        loads: list[tuple[str, int]] = []
-        """(pool, index of its HGETALL in the replies)"""
-        if with_load:
+        loads: dict[str, bytes] = {}
+        # With inserts, the load too: the requests just decided are in flight, and the other
+        # gateways see them as soon as they see the decisions.
+        if with_load or batch:
             now = time.time()
             heartbeat = now - self._load_sent >= s.load_ttl_s / 3
             for pool in self.pools.values():
                 own = self._load_of(pool)
-                key = self.load_keys[pool.name]
-                if heartbeat or own != self._own_load.get(pool.name):
-                    commands.append(("HSET", key, self.id, b'{"t":%r,"r":%s}' % (now, own)))
-                    # Gone with the last gateway: nobody's load outlives it for long.
-                    commands.append(("PEXPIRE", key, int(s.load_ttl_s * 10_000)))
-                    self._own_load[pool.name] = own
-                    self._load_sent = now
-                loads.append((pool.name, len(commands)))
-                commands.append(("HGETALL", key))
-        commands.append(("XREAD", "COUNT", _READ_COUNT, "STREAMS", *self.last_ids,
-                         *self.last_ids.values()))
+                # Nothing in flight, said once: no heartbeat needed for an empty load.
+                if own != self._own_load.get(pool.name) or (heartbeat and own != b"{}"):
+                    loads[pool.name] = own
+            if loads:
+                self._load_sent = now
+        commands: list[tuple[Any, ...]] = []
+        for name in self.pools:
+            fields: list[Any] = []
+            if name in pools:
+                fields += ["d", orjson.dumps(pools[name])]
+            if name in loads:
+                fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
+            if fields:
+                commands.append(("XADD", self.streams[name], *trim, "*", "g", self.id, *fields))
+        if republish:
+            for pool, items in self._by_pool(list(self.recent)).items():
+                commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
+                                 "d", orjson.dumps(items), "r", "1"))
+        if not commands:
+            return
         try:
-            replies = await self._round_trip(commands)
+            await self._round_trip("write", commands)
         except BaseException:
             self._requeue(batch)
             if republish:
                 self._republish_at = self._republish_at or time.monotonic()
             raise
         self.link.mark_up()
+        self._own_load.update(loads)
         self.recent.extend(batch)
         for pool, items in pools.items():
             self.observer.shared_inserts(pool, "published", len(items))
-        for pool_name, at in loads:
-            self._read_loads(pool_name, _pairs(replies[at]))
-        got = replies[-1] or ()
+
+    async def read(self, block_ms: int | None) -> bool:
+        """Read the other gateways' new entries (waiting up to `block_ms` for one; None: not
+        at all) and apply them, then drop loads older than `load_ttl_s`. True: a stream had
+        more entries than one read takes (read on at once)."""
+        block = ("BLOCK", block_ms) if block_ms is not None else ()
+        (got,) = await self._round_trip("read", [
+            ("XREAD", "COUNT", _READ_COUNT, *block, "STREAMS", *self.last_ids,
+             *self.last_ids.values())])
+        self.link.mark_up()
         behind = False
-        for stream, entries in (got.items() if isinstance(got, dict) else got):
-            self._apply(stream, entries)
+        changed: set[str] = set()
+        for stream, entries in (got.items() if isinstance(got, dict) else got or ()):
+            pool = self._apply(stream, entries)
+            if pool is not None:
+                changed.add(pool)
             behind = behind or len(entries) >= _READ_COUNT
+        now = time.time()
+        ttl = self.settings.load_ttl_s
+        for name, theirs in self._loads.items():
+            # Gone (stopped without saying so, or cut off from Redis): ignored once stale.
+            for gateway in [g for g, (t, _) in theirs.items() if now - t > ttl]:
+                del theirs[gateway]
+                changed.add(name)
+        for name in changed:
+            self._apply_loads(name)
         return behind
 
-    async def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send `commands` at once on this gateway's own connection and read their raw
-        replies: a tick costs one write and one read, without a client pipeline's layers
-        (what runs every flush interval, for as long as the gateway runs)."""
-        conn = self._conn
-        if conn is None:
-            conn = self._conn = self.link.client.connection_pool.make_connection()
-        try:
-            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-            replies = [await conn.read_response() for _ in commands]
-        except BaseException:
-            await conn.disconnect()  # never read what is left of these replies as the next
-            raise
+    async def _round_trip(self, role: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send `commands` at once on this gateway's own connection for `role` (the writer's,
+        or the reader's, which blocks) and read their raw replies: a write costs one send and
+        one read, without a client pipeline's layers. A connection that fails is dropped;
+        if it had worked before (a Redis restarted since), one retry on a new one tells an
+        outage from a stale socket."""
+        for attempt in (0, 1):
+            conn = self._conns.get(role)
+            fresh = conn is None
+            if conn is None:
+                conn = self._conns[role] = self.link.client.connection_pool.make_connection()
+            try:
+                await conn.send_packed_command(conn.pack_commands(commands),
+                                               check_health=False)
+                replies = [await conn.read_response() for _ in commands]
+            except UNAVAILABLE:
+                await conn.disconnect()  # never read what is left of these replies as the next
+                del self._conns[role]
+                if fresh or attempt:
+                    raise
+                continue
+            except BaseException:
+                await conn.disconnect()
+                self._conns.pop(role, None)
+                raise
+            break
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         return replies
 
     @staticmethod
-    def _by_pool(batch: list[tuple[str, str, float, Sequence[int]]]
-                 ) -> dict[str, list[list[Any]]]:
+    def _by_pool(batch: list[Insert]) -> dict[str, list[list[Any]]]:
         out: dict[str, list[list[Any]]] = {}
-        for pool, replica, at, hashes in batch:
-            out.setdefault(pool, []).append([replica, round(at, 6), list(hashes)])
+        for pool, replica, at, hashes, uncached in batch:
+            out.setdefault(pool, []).append([replica, round(at, 6), list(hashes),
+                                             round(uncached, 1)])
         return out
 
-    def _requeue(self, batch: list[tuple[str, str, float, Sequence[int]]]) -> None:
+    def _requeue(self, batch: list[Insert]) -> None:
         """Put unwritten inserts back before those queued since, keeping the newest."""
         queue = self.queue
         queue.extendleft(reversed(batch))
@@ -313,37 +411,15 @@ class SharedRouting:
                for r, n in load.inflight.items() if n > 0}
         return orjson.dumps(own, option=orjson.OPT_SORT_KEYS)
 
-    def _read_loads(self, name: str, fields: dict[bytes, bytes]) -> None:
-        now = time.time()
-        ttl = self.settings.load_ttl_s
-        me = self.id.encode()
-        total: dict[str, tuple[int, float]] = {}
-        stale: list[bytes] = []
-        for gateway, raw in (fields or {}).items():
-            if gateway == me:
-                continue
-            value = orjson.loads(raw)
-            if now - float(value["t"]) > ttl:
-                stale.append(gateway)
-                continue
-            for replica, (n, pending) in value["r"].items():
-                n0, p0 = total.get(replica, (0, 0.0))
-                total[replica] = (n0 + int(n), p0 + float(pending))
-        self.pools[name].router.apply_remote_load(total)
-        for gateway in stale:
-            # Gone (stopped without saying so, or cut off from Redis): cleared by whoever
-            # sees it first, unless it wrote again meanwhile; one that comes back publishes
-            # its load again.
-            task = asyncio.get_running_loop().create_task(
-                self._forget_stale(keys=[self.load_keys[name]], args=[gateway, fields[gateway]]))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
     # Reading ------------------------------------------------------------------------------
 
-    def _apply(self, stream: bytes, entries: list[list[Any]]) -> None:
+    def _apply(self, stream: bytes, entries: list[list[Any]]) -> str | None:
+        """Apply a stream's entries; the pool's name if another gateway's load changed."""
         pool_name = self._pool_of_stream.get(stream)
         if pool_name is None or not entries:
-            return
+            return None
+        loads = self._loads[pool_name]
+        load_changed = False
         key = self.streams[pool_name]
         self.last_ids[key] = entries[-1][0].decode()
         router = self.pools[pool_name].router
@@ -357,14 +433,33 @@ class SharedRouting:
             if b"q" in fields:  # a peer missed entries: publish ours again
                 self._republish_at = self._republish_at or time.monotonic()
                 continue
+            raw_load = fields.get(b"l")
+            if raw_load is not None:
+                value = orjson.loads(raw_load)
+                loads[fields[b"g"]] = (float(value["t"]), value["r"])
+                load_changed = True
+            if b"d" not in fields:
+                continue
             items = orjson.loads(fields[b"d"])
-            applied = router.apply_remote_inserts((r, h) for r, _, h in items)
+            # [replica, decided at, hashes, uncached tokens] (no uncached: an older gateway's)
+            applied = router.apply_remote_inserts(
+                (item[0], item[2], item[3] if len(item) > 3 else 0.0) for item in items)
             self.observer.shared_inserts(pool_name, "applied", applied)
             if b"r" in fields:
                 continue  # published again: its lag is the outage's, not the sharing's
-            for _, at, _ in items:
+            for item in items:
+                at = item[1]
                 if at >= self.started_at:  # not what was decided before this gateway began
                     observe(pool_name, max(0.0, now - at))
+        return pool_name if load_changed else None
+
+    def _apply_loads(self, name: str) -> None:
+        total: dict[str, tuple[int, float]] = {}
+        for _, replicas in self._loads[name].values():
+            for replica, (n, pending) in replicas.items():
+                n0, p0 = total.get(replica, (0, 0.0))
+                total[replica] = (n0 + int(n), p0 + float(pending))
+        self.pools[name].router.apply_remote_load(total)
 
     async def _ask_if_missed(self) -> None:
         """After an outage: if a stream lost entries this gateway had not read (trimmed past

@@ -14,7 +14,8 @@ is free, and none is lost when a worker dies). It serves nothing itself:
 
 The workers share what /metrics and /admin/stats show through files in a temporary
 directory (gateway/workerview.py); the supervisor renames a dead worker's file `retired-PID`
-so that its counts stay in the sums.
+so that its counts stay in the sums. Without Redis they share their load per replica there
+too (gateway/workerload.py); the supervisor deletes a dead worker's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.processes import die_with_parent
+from gateway.workerload import load_path
 from gateway.workerview import RETIRED
 
 log = logging.getLogger("prefix_gateway.supervisor")
@@ -292,6 +294,8 @@ class Supervisor:
         path = Path(self.dir) / f"{pid}.json"
         with contextlib.suppress(OSError):
             os.replace(path, path.with_name(f"{RETIRED}{pid}.json"))
+        with contextlib.suppress(OSError):  # its requests in flight are gone with it
+            load_path(self.dir, pid).unlink()
 
 
 def _exit_quietly(_signum: int, _frame: object) -> None:

@@ -64,7 +64,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     without Redis (or the first run's)."""
     ref = next((r for r in results if r["gateways"] == 1 and not r["redis"]), results[0])
     header = ["gateways", "Redis", "requests", "errors", "TTFT mean s", "/ 1 gw", "TTFT p99 s",
-              "hit ratio", "hit/ideal", "prefill imb.", "agreement", "warm requests",
+              "hit ratio", "hit/ideal", "prefill imb.", "agreement", "agr. last", "warm requests",
               "gateway CPU ms/req", "duration s"]
     rows = []
     for r in results:
@@ -74,7 +74,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             str(r["gateways"]), "yes" if r["redis"] else "no", str(r["requests"]),
             str(r["errors"]), _f(mean), _f(mean / ref_mean if mean and ref_mean else None),
             _f(r["ttft_p99_s"]), _f(hit), _f(hit / ideal if hit is not None and ideal else None),
-            _f(r["prefill_imbalance"], 2), _f(r["agreement"]), str(r["warm_requests"]),
+            _f(r["prefill_imbalance"], 2), _f(r["agreement"]), _f(r.get("agreement_last")),
+            str(r["warm_requests"]),
             _f(r.get("gateway_cpu_ms_per_request"), 2), _f(r["duration_s"], 1)])
     return markdown_table(header, rows)
 

@@ -48,9 +48,11 @@ from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
     agreement,
+    home_agreement,
     ideal_hit_ratio,
     load_requests,
     prompt_text,
+    warm_misses,
 )
 
 # 1,000 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
@@ -67,6 +69,9 @@ REQUIRED_KEYS = (
 # The response header naming the replica that served a request (the gateway's; routers
 # without it leave `agreement` empty).
 REPLICA_HEADER = "x-gateway-replica"
+# Why the gateway chose it (its `server.explain_headers`): classifies the warm requests that
+# missed their home (`warm_miss_reasons`).
+REASON_HEADER = "x-gateway-route-reason"
 
 _WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
 
@@ -88,6 +93,7 @@ class Result:
     tokens: int = 0
     error: str = ""
     replica: str | None = None
+    reason: str | None = None
 
 
 @dataclass
@@ -125,6 +131,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {text}")
             replica = resp.headers.get(REPLICA_HEADER)
+            reason = resp.headers.get(REASON_HEADER)
             async for data in data_events(resp.content):
                 if b'"completion_tokens"' in data:
                     with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
@@ -153,7 +160,8 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
         return Result(False, latency_s=end - start, lag_s=lag_s, error="no content in stream")
     tokens = usage_tokens or events
     tpot = (last - first) / (tokens - 1) if tokens > 1 and last is not None else None
-    return Result(True, first - start, tpot, end - start, lag_s, tokens, replica=replica)
+    return Result(True, first - start, tpot, end - start, lag_s, tokens, replica=replica,
+                  reason=reason)
 
 
 async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: asyncio.Event,
@@ -284,10 +292,14 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
         "output_tokens": sum(r.tokens for r in ok),
         "input_tokens": sum(r.input_tokens for r in requests),
     }
-    agreed, warm = agreement(requests, [r.replica if r.ok else None for r in data.results])
+    served = [r.replica if r.ok else None for r in data.results]
+    reasons = [r.reason for r in data.results]
+    agreed, warm = home_agreement(requests, served, reasons)
+    last, _ = agreement(requests, served)
     n = max(1, data.gateways)
     out.update(
-        gateways=data.gateways, agreement=agreed, warm_requests=warm,
+        gateways=data.gateways, agreement=agreed, agreement_last=last, warm_requests=warm,
+        warm_miss_reasons=warm_misses(requests, served, reasons),
         requests_per_gateway=[len(range(g, len(data.results), n)) for g in range(n)],
         errors_per_gateway=[sum(not r.ok for r in data.results[g::n]) for g in range(n)])
     if errors:
@@ -312,8 +324,9 @@ def render_table(res: dict[str, Any]) -> str:
         "policy", "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
         "prefill_imbalance", "prefill_time_imbalance", "peak_inflight_imbalance", "gateways",
-        "agreement", "warm_requests", "latency_p50_s", "send_lag_p99_s", "requests_per_replica",
-        "requests_per_gateway", "gateway_cpu_ms_per_request")]
+        "agreement", "agreement_last", "warm_requests", "warm_miss_reasons",
+        "latency_p50_s", "send_lag_p99_s", "requests_per_replica", "requests_per_gateway",
+        "gateway_cpu_ms_per_request")]
     return markdown_table(["metric", "value"], rows)
 
 

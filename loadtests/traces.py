@@ -258,6 +258,96 @@ def agreement(requests: Sequence[TraceRequest],
     return (agreed / warm if warm else None), warm
 
 
+OVERFLOW = "overflow"
+"""The route reason of a load-bound spill (`x-gateway-route-reason`), which one gateway makes."""
+
+
+def home_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
+                   reasons: Sequence[str | None] | None = None) -> tuple[float | None, int]:
+    """How often a warm request went to one of its prefix's homes: (agreement, warm requests).
+
+    `replicas[i]` served `requests[i]` (None: failed; neither counted nor anyone's home);
+    `reasons[i]` is the route reason its gateway gave (None: unknown). In trace order, with
+    prefixes compared as whole sequences of block ids: a request is warm when its first block
+    was in an earlier answered request, and its longest shared prefix P is the longest run of
+    leading blocks equal to an earlier answered request's. It agrees when its replica is one
+    of P's homes. Homes are made in turn: the replica that served a prefix first is its home;
+    a request that agreed, or that its gateway spilled for load (reason `overflow`, as one
+    gateway also does), makes its replica a home of every prefix of its own; any other
+    request (sent where its prefix was not, or to a copy only some gateway made) makes its
+    replica a home of only the prefixes longer than P, which nobody had before it.
+    Agreement = warm requests that agreed / warm requests; None when none is warm.
+    """
+    if len(requests) != len(replicas) or (reasons is not None and len(reasons) != len(requests)):
+        raise ValueError("requests, replicas and reasons differ in length")
+    homes: dict[int, set[str]] = {}
+    warm = agreed = 0
+    for i, (req, served) in enumerate(zip(requests, replicas, strict=True)):
+        if served is None:
+            continue
+        keys: list[int] = []
+        key = 0
+        for h in req.hash_ids:
+            key = hash((key, h))
+            keys.append(key)
+        shared = 0  # every prefix of a prefix with homes has homes: walk to the first without
+        while shared < len(keys) and keys[shared] in homes:
+            shared += 1
+        longest = homes[keys[shared - 1]] if shared else None
+        joins_all = longest is None
+        if longest is not None:
+            warm += 1
+            ok = served in longest
+            agreed += ok
+            joins_all = ok or (reasons is not None and reasons[i] == OVERFLOW)
+        for n, k in enumerate(keys, 1):
+            if joins_all or n > shared:
+                homes.setdefault(k, set()).add(served)
+    return (agreed / warm if warm else None), warm
+
+
+def warm_misses(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
+                reasons: Sequence[str | None]) -> dict[str, int]:
+    """The warm requests `agreement` counts as misses (not sent to the replica that served
+    their longest shared prefix last), by the reason their gateway gave
+    (`x-gateway-route-reason`; "unknown" without it), each split by whether the replica
+    chosen had served the same longest shared prefix before (`REASON+held`: the prefix had
+    several holders and the gateway picked another one) or not (`REASON+new`).
+
+    What each means for several gateways: `cold` is a gateway that saw no holder at all (the
+    other gateways' inserts not yet received, or evicted); `overflow` a load spill;
+    `affinity+held` a prefix already kept on several replicas, of which the gateway picked one
+    that did not serve it last.
+    """
+    if not len(requests) == len(replicas) == len(reasons):
+        raise ValueError("requests, replicas and reasons differ in length")
+    home_of: dict[int, str] = {}
+    holders: dict[int, set[str]] = {}
+    out: dict[str, int] = {}
+    for req, served, reason in zip(requests, replicas, reasons, strict=True):
+        if served is None:
+            continue
+        keys: list[int] = []
+        key, home, last_key, matching = 0, None, None, True
+        for h in req.hash_ids:
+            key = hash((key, h))
+            keys.append(key)
+            if matching:
+                found = home_of.get(key)
+                if found is None:
+                    matching = False
+                else:
+                    home, last_key = found, key
+        if home is not None and served != home and last_key is not None:
+            held = served in holders.get(last_key, ())
+            name = f"{reason or 'unknown'}+{'held' if held else 'new'}"
+            out[name] = out.get(name, 0) + 1
+        for k in keys:
+            home_of[k] = served
+            holders.setdefault(k, set()).add(served)
+    return dict(sorted(out.items()))
+
+
 def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:
     if speedup == 1.0:
         return requests

@@ -39,15 +39,17 @@ class Router:
         # Most policies ignore these hooks: skip the calls (several a request) when they do.
         self._tell_load = type(policy).on_load_update is not Policy.on_load_update
         self._tell_finished = type(policy).on_finished is not Policy.on_finished
+        self._tell_remote = type(policy).on_remote_routed is not Policy.on_remote_routed
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
         self.load = LoadTracker(prefill_tokens_per_s)
         self.indexes: dict[str, PrefixIndex] = {}
-        self.on_record: Callable[[str, Sequence[int]], None] | None = None
-        """Told of every prefix this router records as sent (first choices and retries), after
-        its own index has it: how the gateway shares its decisions with other gateways."""
+        self.on_record: Callable[[str, Sequence[int], float], None] | None = None
+        """Told of every prefix this router records as sent (first choices and retries), with
+        the uncached prompt tokens it costs there, after its own index has it: how the gateway
+        shares its decisions with other gateways."""
         for name in replicas:
             self.add_replica(name)
 
@@ -116,7 +118,7 @@ class Router:
         if not replicas:
             raise ValueError("no replica to route to")
         decision = self.policy.choose(request, replicas, self)
-        self.record(decision.replica, request.hashes)
+        self.record(decision.replica, request.hashes, decision.uncached_tokens)
         self.policy.on_routed(request, decision)
         return decision
 
@@ -126,32 +128,38 @@ class Router:
         # Matched before recording, as for a first choice: what the replica holds already.
         decision = decide(request, self, replica, REASON_RETRY,
                           [n for n in previous.fallbacks if n != replica])
-        self.record(replica, request.hashes)
+        self.record(replica, request.hashes, decision.uncached_tokens)
         self.policy.on_routed(request, decision)
         return decision
 
-    def record(self, replica: str, hashes: Sequence[int]) -> None:
-        """Note that `replica` now holds the prefix `hashes` (route and reroute do this)."""
+    def record(self, replica: str, hashes: Sequence[int], uncached_tokens: float = 0.0) -> None:
+        """Note that `replica` now holds the prefix `hashes`, which cost it `uncached_tokens`
+        of prefill (route and reroute do this)."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
             index.insert(hashes)
             if self.on_record is not None:
-                self.on_record(replica, hashes)
+                self.on_record(replica, hashes, uncached_tokens)
 
     # What other gateways decided (shared routing state) --------------------------------------
 
-    def apply_remote_inserts(self, inserts: Iterable[tuple[str, Sequence[int]]]) -> int:
-        """Record prefixes other gateways sent to replicas of this pool, as if routed here
-        (no policy hook, no `on_record`: they are not this router's decisions). Replicas this
-        router does not know (removed, or not in its configuration) are skipped. Returns the
-        inserts applied."""
+    def apply_remote_inserts(self, inserts: Iterable[tuple[str, Sequence[int], float]]) -> int:
+        """Record prefixes other gateways sent to replicas of this pool, (replica, hashes,
+        uncached prompt tokens it cost there), as if routed here: no `on_record` (they are
+        not this router's decisions), and the policy is told through `on_remote_routed` only,
+        so that what it balances on counts the whole fleet's decisions, as one gateway's
+        would. Replicas this router does not know (removed, or not in its configuration) are
+        skipped. Returns the inserts applied."""
         applied = 0
         indexes = self.indexes
-        for replica, hashes in inserts:
+        tell = self.policy.on_remote_routed if self._tell_remote else None
+        for replica, hashes, uncached in inserts:
             index = indexes.get(replica)
             if index is not None and hashes:
                 index.insert(hashes)
                 applied += 1
+                if tell is not None:
+                    tell(replica, uncached)
         return applied
 
     def apply_remote_load(self, loads: Mapping[str, tuple[int, float]]) -> None:

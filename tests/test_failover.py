@@ -192,11 +192,12 @@ class Freeze:
         await self._running.wait()
 
 
-def freezable(busy: bool = False) -> tuple[Handler, Freeze]:
+def freezable(busy: bool = False, late_s: float | None = None) -> tuple[Handler, Freeze]:
     """A replica streaming max_tokens tokens, one every 20 ms, until `frozen` is set; from
     then until it is cleared it sends nothing at all, to old and new requests: as a
-    SIGSTOPped process (its health checks are not answered either) or, `busy`, as an engine
-    held by a long prefill (its API server still answers health checks)."""
+    SIGSTOPped process (its health checks are not answered either), or, `busy`, as an engine
+    held by a long prefill (its API server still answers health checks), or, `late_s`, as
+    one starved on a saturated host (it answers them after `late_s`)."""
     frozen = Freeze()
 
     async def tokens(n: int) -> AsyncIterator[bytes]:
@@ -212,7 +213,9 @@ def freezable(busy: bool = False) -> tuple[Handler, Freeze]:
     async def handle(method: str, target: str, headers: Mapping[str, str],
                      body: bytes) -> HandlerResponse:
         if target == "/health":
-            if not busy:
+            if late_s is not None and frozen.is_set():
+                await asyncio.sleep(late_s)
+            elif not busy:
                 await frozen.wait_thawed()
             return HandlerResponse(200)
         if target == "/metrics":
@@ -309,6 +312,32 @@ async def test_a_busy_replica_is_not_taken_for_a_frozen_one() -> None:
         await both_answered_once_thawed(first, reader, second, f0)
         samples = await gw.metrics()
         assert not any(s.name == "gateway_replica_ejections_total" and s.value for s in samples)
+
+
+async def test_a_starved_replica_answering_its_health_check_late_is_not_ejected() -> None:
+    """On a saturated host an engine's API server answers a health check late, but answers.
+    Before, the stall watch gave the check half the silence allowed (0.2 s here) whatever
+    the health timeout, and ejected such a replica as frozen: under load, every replica a
+    request was tried on in turn, and the request failed with a 502."""
+    handlers, flags = {}, {}
+    for name in ("rt-0", "rt-1"):
+        handlers[name], flags[name] = freezable(late_s=1.0)
+    cfg = config(ejection={"stall_s": 0.2})
+    rt = cfg["pools"][0]
+    rt["health"] = {**rt["health"], "timeout_s": 30}
+    async with gateway(cfg, handlers=handlers) as gw:
+        first = await through_core(gw)
+        home = dict(first.headers)[b"x-gateway-replica"].decode()
+        assert b"t0" in await anext(first.body)
+        reader = asyncio.ensure_future(anext(first.body))
+        flags[home].set()  # silent, with a stream waiting: the stall watch asks it
+        replica = gw.app.state.pools[0].replicas[home]
+        await eventually(lambda: replica.answered_at > 0)  # its late answer came
+        assert replica.healthy and replica.ejections == 0
+        assert not reader.done()
+        flags[home].clear()
+        assert (await reader).startswith(b"data: ")
+        await first.body.aclose()
 
 
 async def test_a_lone_frozen_replica_is_kept_and_its_waiting_requests_wait_on() -> None:

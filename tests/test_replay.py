@@ -180,8 +180,9 @@ def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int
 
 
 def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Path) -> None:
-    # round_robin over 2 replicas: one gateway alternates them (no warm request goes home);
-    # two gateways both start from the first, so half do. Each run begins on emptied caches,
+    # round_robin over 2 replicas: one gateway alternates them (no warm request goes to the
+    # replica that served its prefix last; half go to its home, the first); two gateways both
+    # start from the first, so half do by either count. Each run begins on emptied caches,
     # so both see the same hit ratio; with Redis each run has a key prefix of its own. One
     # request at a time, so each gateway receives its requests in order.
     trace = _hand_trace(tmp_path)
@@ -193,12 +194,12 @@ def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Pa
     table = capsys.readouterr().out
     assert code == 0
     runs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["gateways"], r["redis"], r["agreement"]) for r in runs] == [
-        (1, True, 0.0), (2, True, 0.5)]
+    assert [(r["gateways"], r["redis"], r["agreement"], r["agreement_last"])
+            for r in runs] == [(1, True, 0.5, 0.0), (2, True, 0.5, 0.5)]
     assert all(r["errors"] == 0 and r["requests"] == 9 for r in runs)
     assert runs[0]["hit_ratio"] == pytest.approx(runs[1]["hit_ratio"])
     assert runs[0]["redis_key_prefix"] != runs[1]["redis_key_prefix"]
     rows = [line for line in table.splitlines() if line.startswith("| 1 ") or
             line.startswith("| 2 ")]
     assert len(rows) == 2 and all("| yes |" in row for row in rows)
-    assert "| 0.500 | 8 |" in rows[1]
+    assert "| 0.500 | 0.000 | 8 |" in rows[0] and "| 0.500 | 0.500 | 8 |" in rows[1]

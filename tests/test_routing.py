@@ -351,21 +351,23 @@ def test_a_removed_replica_keeps_no_prefix_and_its_load_goes_when_forgotten() ->
 
 def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
     a, b = make_router(), make_router()
-    recorded: list[tuple[str, list[int]]] = []
-    a.on_record = lambda replica, hashes: recorded.append((replica, list(hashes)))
+    recorded: list[tuple[str, list[int], float]] = []
+    a.on_record = lambda replica, hashes, cost: recorded.append((replica, list(hashes), cost))
     text = chat_text(system_prompt(7), "q")
     # A warm prefix on a non-home replica: b, which never saw it, would route it elsewhere.
     home = a.route(a.request_from_text(text), idle()).replica
     other = next(n for n in REPLICAS if n != home)
     a.route(a.request_from_text(chat_text(system_prompt(7), "r")),
             [ReplicaView(name=other)])
-    assert [r for r, _ in recorded] == [home, other]
+    assert [r for r, _, _ in recorded] == [home, other]
+    assert recorded[0][2] > 0  # the cold prompt's prefill
     assert b.matched_blocks(other, recorded[1][1]) == 0
-    applied = b.apply_remote_inserts([*recorded, ("gone", recorded[0][1]), (home, [])])
+    applied = b.apply_remote_inserts([*recorded, ("gone", recorded[0][1], 0.0),
+                                      (home, [], 0.0)])
     assert applied == 2  # the unknown replica and the empty chain are skipped
     # b now holds what a recorded, on both replicas, without telling its own listener.
     seen: list[str] = []
-    b.on_record = lambda replica, hashes: seen.append(replica)
+    b.on_record = lambda replica, hashes, cost: seen.append(replica)
     assert b.matched_blocks(other, recorded[1][1]) == len(recorded[1][1])
     d = b.route(b.request_from_text(chat_text(system_prompt(7), "s")),
                 [ReplicaView(name=other), ReplicaView(name="r9")])
@@ -463,3 +465,36 @@ def test_a_slow_replica_is_charged_its_queue_at_its_own_speed() -> None:
 
     assert spread(True)["r3"] == 0
     assert spread(False)["r3"] > 5
+
+
+def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:
+    """A prefix held by two replicas (a spill made a second copy) is a tie that balancing
+    breaks on recent prefill. Balancing on its own decisions alone, a gateway that routed
+    little chose one holder and a gateway that routed the rest the other; told of each
+    other's decisions (with their prefill), both balance on the same fleet-wide figures."""
+    def pair(shared: bool) -> tuple[str, str]:
+        a, b = make_router(), make_router()
+        if shared:
+            a.on_record = lambda replica, hashes, cost: b.apply_remote_inserts(
+                [(replica, hashes, cost)])
+            b.on_record = lambda replica, hashes, cost: a.apply_remote_inserts(
+                [(replica, hashes, cost)])
+        text = chat_text(system_prompt(11), "q")
+        for name in ("r0", "r1"):  # both hold it, in both routers' indexes
+            a.route(a.request_from_text(text), [ReplicaView(name=name)])
+            b.apply_remote_inserts([(name, a.request_from_text(text).hashes, 0.0)])
+        # Cold prompts through A only: all of A's recent prefill on r0, then on r1 more.
+        for i in range(2):
+            a.route(a.request_from_text(chat_text(system_prompt(100 + i), "x")),
+                    [ReplicaView(name="r0")])
+        for i in range(3):
+            a.route(a.request_from_text(chat_text(system_prompt(200 + i), "x")),
+                    [ReplicaView(name="r1")])
+        views = [ReplicaView(name="r0"), ReplicaView(name="r1")]
+        request = a.request_from_text(chat_text(system_prompt(11), "next"))
+        return (a.policy.choose(request, views, a).replica,
+                b.policy.choose(request, views, b).replica)
+
+    assert pair(shared=True) == ("r0", "r0")
+    apart = pair(shared=False)
+    assert apart[0] == "r0" and apart[1] != "r0"  # what sharing only the index gave

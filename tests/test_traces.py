@@ -14,9 +14,11 @@ from loadtests.traces import (
     BLOCK_TOKENS,
     TraceRequest,
     agreement,
+    home_agreement,
     ideal_hit_ratio,
     load_trace,
     prompt_text,
+    warm_misses,
 )
 
 
@@ -115,6 +117,33 @@ HAND_REPLICAS = ["r0", "r0", "r1", "r0", "r1", "r1", "r1"]
 # (1,2,3 with 0, longer than 1,2 with the more recent 2): agrees; 4 home r0 (1,2 with all;
 # the most recent is 3): not; 5 cold; 6 home r1 (7 with 5): agrees. 3 of 5 warm agree.
 HAND_AGREEMENT = (3 / 5, 5)
+
+
+def test_home_agreement_counts_a_spill_as_a_second_home_and_no_other_copy() -> None:
+    # Without reasons nothing spills: on the hand trace the homes are each prefix's first
+    # replica and those that agreed, and the same 3 of 5 agree.
+    assert home_agreement(HAND_TRACE, HAND_REPLICAS) == HAND_AGREEMENT
+    tenant = blocks_trace((1, 2, 3), (1, 2, 4), (1, 2, 5), (1, 2, 6), (1, 2, 7), (1, 2, 8))
+    # A tenant's context on a, spilled once to b for load; its later requests go to a or b,
+    # as one gateway balancing between the two holders would: all but the spill agree. By
+    # the most recent server, going back to a counts as a miss.
+    served = ["a", "a", "b", "a", "b", "a"]
+    reasons = ["cold", "affinity", "overflow", "affinity", "affinity", "affinity"]
+    assert home_agreement(tenant, served, reasons) == (4 / 5, 5)
+    assert agreement(tenant, served) == (1 / 5, 5)
+    # The same second copy made otherwise (a gateway that did not know the prefix, sending
+    # it cold elsewhere, then keeping it there) is no home: each request sent there misses.
+    own = ["cold", "affinity", "cold", "affinity", "affinity", "affinity"]
+    assert home_agreement(tenant, served, own) == (3 / 5, 5)
+    # Failed requests are nobody's home and not counted.
+    assert home_agreement(tenant, ["a", None, "b", "a", None, "b"], reasons) == (2 / 3, 3)
+
+
+def test_warm_misses_say_why_a_warm_request_left_its_home() -> None:
+    tenant = blocks_trace((1, 2, 3), (1, 2, 4), (1, 2, 5), (1, 2, 6))
+    served = ["a", "b", "a", "c"]
+    assert warm_misses(tenant, served, [None, "overflow", "affinity", "cold"]) == {
+        "affinity+held": 1, "cold+new": 1, "overflow+new": 1}
 
 
 def test_agreement_follows_the_longest_then_the_most_recent_shared_prefix() -> None:

@@ -167,11 +167,18 @@ def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
     threads: list[threading.Thread] = []
 
     def both_busy() -> bool:
-        t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
-        t.start()
-        threads.append(t)
-        busy = [w for w in stats(gw)["workers"] if w["inflight"]]
-        return len(busy) == WORKERS
+        workers = stats(gw)["workers"]
+        # Every stream started is in flight (none still connecting, which SIGTERM would
+        # refuse), and each worker holds one.
+        inflight = sum(w["inflight"] for w in workers)
+        if inflight == len(threads) - len(results) and len(workers) == WORKERS and all(
+                w["inflight"] for w in workers):
+            return True
+        if len(threads) - len(results) <= inflight:
+            t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
+            t.start()
+            threads.append(t)
+        return False
 
     poll(both_busy, deadline_s=30, interval_s=0.2)
     assert not results, "the streams should still be running when SIGTERM is sent"
@@ -337,3 +344,63 @@ def test_a_worker_rewrites_its_file_when_any_figure_moved(tmp_path: Path) -> Non
     assert view.signature() == view.written
     state.metrics.requests.inc(("default", "replica-0", "default", "200"))
     assert view.signature() != view.written
+
+
+def test_each_worker_routes_on_the_others_requests_in_flight_too(gw: Gateway) -> None:
+    """Without Redis, each worker's router counted only its own requests in flight: N
+    workers could each fill a replica up to the load bound. Now each sees the others'."""
+    results: list = []
+    threads: list[threading.Thread] = []
+
+    def both_busy() -> bool:
+        t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
+        t.start()
+        threads.append(t)
+        return len([w for w in stats(gw)["workers"] if w["inflight"]]) == WORKERS
+
+    poll(both_busy, deadline_s=30, interval_s=0.2)
+
+    def others_seen() -> bool:
+        # Whichever worker answers, the other holds streams in flight on the one replica.
+        (replica,) = stats(gw)["pools"][0]["replicas"]
+        return replica["other_gateways_inflight"] >= 1
+
+    poll(others_seen, deadline_s=20, interval_s=0.05)
+    for t in threads:
+        t.join(timeout=60)
+    assert all(status == 200 for status, _ in results)
+
+
+def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.defaults import one_pool_config
+    from gateway.state import GatewayState
+    from gateway.workerload import WorkerLoad
+    from routing.types import Decision
+
+    def state() -> GatewayState:
+        return GatewayState(GatewayConfig.model_validate(one_pool_config(
+            ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+
+    a, b, c = state(), state(), state()
+    la, lb, lc = (WorkerLoad(tmp_path, s, pid=pid) for s, pid in ((a, 1), (b, 2), (c, 3)))
+    for s, n in ((a, 2), (b, 1)):
+        for _ in range(n):
+            s.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0))
+    now = 1000.0
+    for w in (la, lb, lc):
+        w.tick(now)
+    for w in (la, lb, lc):
+        w._listed_at = -10.0  # list the directory again: every worker's file is there now
+        w.tick(now)
+    assert c.pools[0].router.load.remote == {"replica-0": (3, 300.0)}
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0)}
+    assert a.pools[0].router.load.inflight == {"replica-0": 2}  # its own stay its own
+    view = c.pools[0].router.load.view("replica-0")
+    assert (view.inflight, view.pending_prefill_tokens) == (3, 300.0)
+    lb.remove()  # B stopped: C forgets its load at once
+    lc.tick(now + 0.1)
+    assert c.pools[0].router.load.remote == {"replica-0": (2, 200.0)}
+    # A dies without a word: its file stops being rewritten, and ages out.
+    lc.tick(now + lc.ttl_s + 1)
+    assert c.pools[0].router.load.remote == {}

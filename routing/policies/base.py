@@ -50,6 +50,10 @@ class Policy(ABC):
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027
         """The request is about to be sent as `decision` says (a first choice or a retry)."""
 
+    def on_remote_routed(self, replica: str, uncached_tokens: float) -> None:  # noqa: B027
+        """Another gateway sharing this one's routing state sent a request to `replica`,
+        costing it `uncached_tokens` of prefill (Router.apply_remote_inserts)."""
+
     def on_finished(self, decision: Decision, saw_first_token: bool) -> None:  # noqa: B027
         """The attempt `decision` ended: answered, failed or abandoned."""
 

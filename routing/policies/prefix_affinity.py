@@ -173,6 +173,15 @@ class PrefixAffinity(Policy):
         self._recent.pop(replica, None)
         self._speeds.forget(replica)
 
+    def on_remote_routed(self, replica: str, uncached_tokens: float) -> None:
+        # Balancing on this gateway's decisions alone, gateways sharing an index break the
+        # same tie (a prefix held by two replicas) each its own way; counting every gateway's
+        # prefill, and moving the decision clock for each, they balance as one gateway would.
+        if self.balance_horizon > 0:
+            self._decisions += 1
+            self._recent[replica] = (self._recent_work(replica) + self._speeds.time_of(
+                replica, uncached_tokens), self._decisions)
+
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         # Here rather than in choose(), so that a retry's prefill counts on the replica that
         # really got it; the decision clock only moves in choose(), once per request.

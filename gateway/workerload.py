@@ -1,0 +1,147 @@
+"""The load the other workers of one `serve --workers N` put on each replica, when no Redis
+shares routing state: what each worker's router balances on besides its own.
+
+Each worker routes on its own router; without this, a worker's load bound and queue costs
+counted only its own requests in flight, so N workers could each put a replica at the bound.
+Every `interval_s` each worker:
+
+- writes its own load (per pool and replica: requests in flight, pending prefill tokens) to
+  `PID.load` in the workers' directory, replacing it atomically, when it changed, and
+  again every third of `ttl_s` while it is not empty (a heartbeat);
+- reads the other workers' files whose modification time changed since it last read them,
+  and hands each pool's router the sum (`Router.apply_remote_load`), as shared routing state
+  does with other gateways' load.
+
+A file older than `ttl_s` (a worker that died without a word) no longer counts, and the
+supervisor deletes a dead worker's file at once. An idle gateway writes nothing: a tick is a
+comparison and a `stat` of each other worker's file. Nothing here runs on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from backends.pool import Pool
+from gateway.state import GatewayState
+
+log = logging.getLogger("prefix_gateway.workers")
+
+SUFFIX = ".load"
+"""Not `.json`: the workers' figures (gateway/workerview.py) are those."""
+INTERVAL_S = 0.025
+TTL_S = 3.0
+_LIST_EVERY_S = 1.0
+"""How often the directory is listed again for workers that started or left."""
+
+
+def load_path(directory: str | Path, pid: int) -> Path:
+    return Path(directory) / f"{pid}{SUFFIX}"
+
+
+class WorkerLoad:
+    """One worker's side of the shared load: writes its own, applies the others'."""
+
+    def __init__(self, directory: str | Path, state: GatewayState,
+                 interval_s: float = INTERVAL_S, ttl_s: float = TTL_S,
+                 pid: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.state = state
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self.pid = os.getpid() if pid is None else pid
+        self.path = load_path(self.directory, self.pid)
+        self._own: bytes = b"{}"
+        self._written_at = 0.0
+        self._listed_at = -_LIST_EVERY_S
+        self._files: list[Path] = []
+        self._seen: dict[Path, int] = {}
+        """File -> the modification time (ns) of what was last read from it."""
+        self._theirs: dict[Path, dict[str, Any]] = {}
+        """File -> what it held: {"t": written at, "p": {pool: {replica: [n, pending]}}}."""
+
+    @property
+    def pools(self) -> list[Pool]:
+        return self.state.pools
+
+    def own_load(self) -> bytes:
+        out = {}
+        for pool in self.pools:
+            load = pool.router.load
+            mine = {r: [n, round(load.pending_prefill.get(r, 0.0), 1)]
+                    for r, n in load.inflight.items() if n > 0}
+            if mine:
+                out[pool.name] = mine
+        return orjson.dumps(out, option=orjson.OPT_SORT_KEYS)
+
+    def tick(self, now: float | None = None) -> None:
+        """Write this worker's load if due, read what changed of the others', apply."""
+        now = time.time() if now is None else now
+        own = self.own_load()
+        if own != self._own or (own != b"{}" and now - self._written_at >= self.ttl_s / 3):
+            tmp = self.directory / f".{self.pid}{SUFFIX}.tmp"
+            tmp.write_bytes(b'{"t":%r,"p":%s}' % (now, own))
+            os.replace(tmp, self.path)
+            self._own, self._written_at = own, now
+        if now - self._listed_at >= _LIST_EVERY_S:
+            self._listed_at = now
+            self._files = [p for p in self.directory.glob(f"*{SUFFIX}") if p != self.path]
+            for gone in set(self._theirs) - set(self._files):
+                self._theirs.pop(gone, None)
+                self._seen.pop(gone, None)
+        changed = False
+        for path in self._files:
+            try:
+                mtime = path.stat().st_mtime_ns
+                if self._seen.get(path) == mtime:
+                    continue
+                self._theirs[path] = orjson.loads(path.read_bytes())
+                self._seen[path] = mtime
+            except FileNotFoundError:  # the worker left: listed again within a second
+                if self._theirs.pop(path, None) is not None:
+                    changed = True
+                self._seen.pop(path, None)
+                continue
+            except (OSError, orjson.JSONDecodeError) as exc:
+                log.debug("cannot read %s: %s", path, exc)
+                continue
+            changed = True
+        stale = [p for p, v in self._theirs.items() if now - float(v.get("t", 0)) > self.ttl_s]
+        for path in stale:
+            del self._theirs[path]
+            changed = True
+        if changed:
+            self._apply()
+
+    def _apply(self) -> None:
+        totals: dict[str, dict[str, tuple[int, float]]] = {p.name: {} for p in self.pools}
+        for value in self._theirs.values():
+            for pool, replicas in (value.get("p") or {}).items():
+                total = totals.get(pool)
+                if total is None:
+                    continue
+                for replica, (n, pending) in replicas.items():
+                    n0, p0 = total.get(replica, (0, 0.0))
+                    total[replica] = (n0 + int(n), p0 + float(pending))
+        for pool in self.pools:
+            pool.router.apply_remote_load(totals[pool.name])
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except OSError as exc:  # the directory went away: the gateway is stopping
+                log.debug("cannot share load in %s: %s", self.directory, exc)
+
+    def remove(self) -> None:
+        """This worker stops: the others stop counting its load at once."""
+        with contextlib.suppress(OSError):
+            self.path.unlink()
