@@ -207,8 +207,10 @@ def simulate(
     engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
     settings: RoutingSettings | None = None,
     policy_params: dict[str, Any] | None = None,
+    timeline: bool = False,
 ) -> dict[str, Any]:
-    """Run one policy over the workload; returns the replay's report keys."""
+    """Run one policy over the workload; returns the replay's report keys (with `timeline`,
+    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order)."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     settings = settings or RoutingSettings()
@@ -332,7 +334,7 @@ def simulate(
     end = max((finish_at[r] for r in done if not math.isnan(finish_at[r])), default=start)
     bounds = workload.ttft_bounds(prof, engine_block_tokens, replicas, max_output,
                                   kv_capacity_tokens)
-    return {
+    report: dict[str, Any] = {
         "requests": len(done),
         "errors": n - len(done),
         "duration_s": round(end - start, 3),
@@ -353,6 +355,10 @@ def simulate(
         "replicas": replicas,
         "workload": workload.name,
     }
+    if timeline:
+        report["timeline"] = [[reqs[r].timestamp_s, first_at[r] - reqs[r].timestamp_s]
+                              for r in done]
+    return report
 
 
 # -- CLI -----------------------------------------------------------------------------------
