@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from contextlib import suppress
 
 from routing.steps import StepTimer
 from routing.types import ReplicaView
-
 
 HEAD_CREDIT_MAX = 0.9
 """At most this share of the oldest pending request's prefill is presumed done before its
@@ -68,10 +68,8 @@ class LoadTracker:
                 order.popleft()
                 self._drain[replica] = 0.0  # the next oldest one is now being prefilled
             else:
-                try:
+                with suppress(ValueError):  # not sent through dispatched(): nothing to drop
                     order.remove(uncached_tokens)
-                except ValueError:
-                    pass
         if now is not None and dispatched_at is not None:
             self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at)
 

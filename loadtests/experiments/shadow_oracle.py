@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from dataclasses import replace
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from backends.sim.engine import EngineModel
@@ -105,8 +105,8 @@ class Shadow(Oracle):
         self.policy.on_routed(request, decision)
 
 
-def run(workload: sim.Workload, policy: str, replicas: int,
-        settings: RoutingSettings, true_queue: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run(workload: sim.Workload, policy: str, replicas: int, settings: RoutingSettings,
+        true_queue: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Simulate `policy` with the oracle shadowing it; (report, one row per request)."""
     made: list[Shadow] = []
     real = sim.make_policy
