@@ -225,6 +225,36 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
         """Drain the replica, then drop it once its requests in flight have ended."""
         return _change(pool, lambda: fleet.drain(pool, name, remove=True), 202)
 
+    # Engine A/B experiments (gateway/experiments/).
+    @app.get("/admin/experiments")
+    async def experiments() -> dict[str, Any]:
+        """Each experiment's arms, paired comparison and conditions. With several workers:
+        this worker's requests only (worker_pid says which)."""
+        body: dict[str, Any] = {"experiments": await state.experiments.reports_aside()}
+        if view is not None:
+            body["worker_pid"] = view.pid
+        return body
+
+    def _switch(name: str, enabled: bool) -> JSONResponse:
+        if view is not None:
+            return _error(409, "This gateway runs several worker processes (server.workers), "
+                          "and the admin API would switch the experiment in one of them only: "
+                          "set its `enabled` in the configuration file instead; every worker "
+                          "reloads it (SIGHUP or the file watch).", code="several_workers")
+        exp = state.experiments.switch(name, enabled)
+        if exp is None:
+            return _error(404, f"No experiment named {name!r}.", code="experiment_not_found")
+        return JSONResponse({"name": exp.name, "mode": exp.mode, "enabled": exp.enabled})
+
+    @app.post("/admin/experiments/{name}/disable")
+    async def disable_experiment(name: str) -> JSONResponse:
+        """The kill switch: no more copies (mirror) or candidate requests (split), at once."""
+        return _switch(name, False)
+
+    @app.post("/admin/experiments/{name}/enable")
+    async def enable_experiment(name: str) -> JSONResponse:
+        return _switch(name, True)
+
     @app.get("/admin", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse((_STATIC / "stats.html").read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 from backends.health import HealthMonitor
 from backends.pool import Pool, ReplicaState
@@ -11,6 +12,9 @@ from gateway.observe import Observer
 from gateway.outcome import Finished, Outcome
 from gateway.sse import StreamWatcher
 from routing.types import Decision, RoutingRequest
+
+if TYPE_CHECKING:
+    from gateway.experiments.live import Trial
 
 
 class Attempt:
@@ -22,7 +26,7 @@ class Attempt:
 
     __slots__ = ("_ended", "_task", "_timer", "decision", "ended_early", "interrupted",
                  "monitor", "observer", "pool", "received_at", "replica", "request", "saw_first",
-                 "sent_at", "traffic_class", "watcher")
+                 "sent_at", "traffic_class", "trial", "watcher")
 
     def __init__(self, pool: Pool, replica: ReplicaState, decision: Decision,
                  request: RoutingRequest, traffic_class: str, received_at: float,
@@ -46,6 +50,8 @@ class Attempt:
         stalled, first_byte_timeout), None if it was not."""
         self.ended_early = False
         """The replica's response was abandoned: drop its connection, do not reuse it."""
+        self.trial: Trial | None = None
+        """The request's experiment trial, if its class is in one: told how it ended."""
         pool.router.dispatched(decision)
         observer.inflight(pool.name, replica.name, 1)
         self.sent_at = perf_counter()
@@ -124,6 +130,8 @@ class Attempt:
         first = watcher.first_token_at
         ttft = first - self.received_at if first is not None else None
         decode = (watcher.last_token_at or first) - first if first is not None else 0.0
-        self.observer.finished(Finished(pool.name, name, self.traffic_class, label,
-                                        perf_counter() - self.received_at, ttft,
-                                        watcher.completion_tokens(), decode))
+        f = Finished(pool.name, name, self.traffic_class, label,
+                     perf_counter() - self.received_at, ttft, watcher.completion_tokens(), decode)
+        self.observer.finished(f)
+        if self.trial is not None:
+            self.trial.finished(f, watcher.usage, self.request.prompt_tokens)

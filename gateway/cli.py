@@ -1,4 +1,4 @@
-"""The `prefix-gateway` command: serve, up, sim, stats, hash-key, openapi."""
+"""The `prefix-gateway` command: serve, up, sim, stats, experiments, hash-key, openapi."""
 
 from __future__ import annotations
 
@@ -409,12 +409,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def read_admin(command: str, args: argparse.Namespace, path: str) -> dict | None:
+    """GET a running gateway's admin `path` with the admin key (--admin-key or the
+    environment); None after saying on stderr why it could not be read."""
     import httpx
 
-    from gateway.stats import render_table
-
-    url = args.url.rstrip("/") + "/admin/stats"
+    url = args.url.rstrip("/") + path
     key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     headers = {"Authorization": f"Bearer {key.strip()}"} if key else {}
     try:
@@ -422,18 +422,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if resp.status_code in (401, 403):
             message = resp.json().get("error", {}).get("message", "") if resp.headers.get(
                 "content-type", "").startswith("application/json") else ""
-            print(f"prefix-gateway stats: {url} refused: HTTP {resp.status_code}: {message} "
+            print(f"prefix-gateway {command}: {url} refused: HTTP {resp.status_code}: {message} "
                   f"(give the admin key with --admin-key or {ADMIN_KEY_ENV})", file=sys.stderr)
-            return 1
+            return None
         resp.raise_for_status()
+        return resp.json()
     except httpx.HTTPError as exc:
-        print(f"prefix-gateway stats: cannot read {url}: {exc}", file=sys.stderr)
+        print(f"prefix-gateway {command}: cannot read {url}: {exc}", file=sys.stderr)
+    except ValueError:
+        print(f"prefix-gateway {command}: {url} did not answer JSON", file=sys.stderr)
+    return None
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from gateway.stats import render_table
+
+    data = read_admin("stats", args, "/admin/stats")
+    if data is None:
         return 1
-    data = resp.json()
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         print(render_table(data), end="")
+    return 0
+
+
+def cmd_experiments(args: argparse.Namespace) -> int:
+    from gateway.experiments.report import render_report
+
+    data = read_admin("experiments", args, "/admin/experiments")
+    if data is None:
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_report(data), end="")
     return 0
 
 
@@ -522,6 +545,15 @@ def build_parser(sim_options: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--admin-key", help=f"the gateway's admin key (also {ADMIN_KEY_ENV})")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("experiments", help="print a running gateway's A/B experiments: both "
+                       "arms side by side, the paired differences and the conditions")
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait (the report computes bootstrap intervals)")
+    p.add_argument("--admin-key", help=f"the gateway's admin key (also {ADMIN_KEY_ENV})")
+    p.set_defaults(func=cmd_experiments)
 
     p = sub.add_parser("hash-key", help="print the sha256: digest of a key, for auth.*.key")
     p.add_argument("key", nargs="?", help="the key (default: read from stdin, so that it "

@@ -371,6 +371,40 @@ class AdmissionConfig(_Strict):
     )
 
 
+class ExperimentConfig(_Strict):
+    """An engine A/B experiment on one traffic class: its requests are mirrored to, or split
+    with, a candidate pool, and both arms are measured (docs/experiments.md)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="names it in /admin/experiments and the metrics")
+    traffic_class: str = Field(description="the traffic class whose requests it takes")
+    baseline: str = Field(description="the pool the class's requests go to now (the class's "
+                          "own pool)")
+    candidate: str = Field(description="the pool tried against it")
+    mode: Literal["mirror", "split"] = Field(
+        description="mirror: a copy of each (sampled) request also goes to the candidate, "
+        "its answer read and discarded, the client always answered by the baseline; split: "
+        "a fraction of the prefixes is served by the candidate for real")
+    fraction: float | None = Field(
+        None, ge=0.0, le=1.0, description="mirror: the share of the class's prefixes "
+        "mirrored (None: 1, all); split: the share of prefixes the candidate serves (None: "
+        "0.5)")
+    enabled: bool = Field(True, description="false: no copy is sent and no request is split "
+                          "(the kill switch; the measurements so far are kept)")
+    max_concurrency: int = Field(
+        32, ge=1, le=100_000, description="mirror: copies in flight at once; a copy beyond "
+        "it (or when the candidate has no healthy replica with room) is dropped and counted")
+    max_samples: int = Field(20_000, ge=100, le=1_000_000, description="the newest samples "
+                             "kept per arm for the report")
+
+    @property
+    def share(self) -> float:
+        """The fraction in force (its default filled in)."""
+        if self.fraction is not None:
+            return self.fraction
+        return 1.0 if self.mode == "mirror" else 0.5
+
+
 class TrafficClassConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     pool: str
@@ -450,13 +484,19 @@ class ServerConfig(_Strict):
         "below the engines' own idle timeout (5 s in vLLM and trtllm-serve), so the gateway "
         "rarely reuses a connection the engine is closing"
     )
+    upstream_client: Literal["httptools", "aiohttp"] = Field(
+        "httptools", description="the HTTP client to the replicas: `httptools`, the gateway's "
+        "own (asyncio protocols and httptools' parser: about a third less CPU per request), or "
+        "`aiohttp`"
+    )
     max_attempts: int = Field(2, ge=1, le=10, description="tries before the first byte is sent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     non_streaming_ttft: bool = Field(
-        True,
+        False,
         description="stream from the replica internally for non-streaming requests, to "
-        "measure their TTFT; the client still gets one JSON response. Off: the body passes "
-        "through, which costs the engine and the gateway less CPU (docs/benchmarks.md)",
+        "measure their TTFT; the client still gets one JSON response. Off (the default): the "
+        "body passes through, which costs the engine and the gateway less CPU "
+        "(docs/benchmarks.md)",
     )
     expose_docs: bool = Field(
         False, description="serve /docs, /redoc and /openapi.json (off: they answer 404)")
@@ -756,6 +796,9 @@ class GatewayConfig(_Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     history: HistoryConfig = Field(default_factory=HistoryConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    experiments: list[ExperimentConfig] = Field(
+        default_factory=list, description="engine A/B experiments on live traffic "
+        "(docs/experiments.md); applied again on reload")
 
     @model_validator(mode="after")
     def _references(self) -> GatewayConfig:
@@ -790,7 +833,44 @@ class GatewayConfig(_Strict):
             raise ValueError(f"batch.traffic_class {self.batch.traffic_class!r} is not a "
                              f"traffic class; classes are {sorted(known)}")
         self._check_auth(known)
+        self._check_experiments()
         return self
+
+    def _check_experiments(self) -> None:
+        pools = {p.name: p for p in self.pools}
+        classes = {c.name: c for c in self.traffic_classes}
+        names = [e.name for e in self.experiments]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"experiments: names must be unique: {dupes}")
+        taken: dict[str, str] = {}
+        for e in self.experiments:
+            where = f"experiments[{e.name!r}]"
+            cls = classes.get(e.traffic_class)
+            if cls is None:
+                raise ValueError(f"{where} names unknown traffic class {e.traffic_class!r}; "
+                                 f"classes are {sorted(classes)}")
+            if e.traffic_class in taken:
+                raise ValueError(f"{where}: traffic class {e.traffic_class!r} is already in "
+                                 f"experiment {taken[e.traffic_class]!r}; one experiment per "
+                                 "class")
+            taken[e.traffic_class] = e.name
+            for role in ("baseline", "candidate"):
+                if getattr(e, role) not in pools:
+                    raise ValueError(f"{where}: {role} names unknown pool "
+                                     f"{getattr(e, role)!r}; pools are {sorted(pools)}")
+            if e.baseline != cls.pool:
+                raise ValueError(f"{where}: baseline {e.baseline!r} is not the pool of traffic "
+                                 f"class {cls.name!r} ({cls.pool!r}); the baseline is where "
+                                 "the class's requests go now")
+            if e.candidate == e.baseline:
+                raise ValueError(f"{where}: candidate and baseline are the same pool "
+                                 f"{e.baseline!r}")
+            missing = sorted(self.served_models(pools[e.baseline])
+                             - self.served_models(pools[e.candidate]))
+            if missing:
+                raise ValueError(f"{where}: candidate pool {e.candidate!r} does not serve "
+                                 f"model(s) {missing} of the baseline pool {e.baseline!r}")
 
     def _check_auth(self, known: set[str]) -> None:
         for key in self.auth.api_keys:

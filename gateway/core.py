@@ -24,6 +24,8 @@ from gateway.errors import (
     upstream_failed,
 )
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
+from gateway.experiments.live import BASELINE, CANDIDATE, LiveExperiment, Trial
+from gateway.experiments.mirror import Mirror
 from gateway.outcome import Finished, Outcome
 from gateway.parse import cap_tokens
 from gateway.ratelimit import RateLimited
@@ -42,6 +44,8 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
+_UNROUTED = {"503": "no_replica", "429": "rejected", "499": "cancelled"}
+"""An experiment's error kinds of requests that ended before reaching a replica."""
 
 # W3C trace context goes on as a pair: tracestate means nothing without its traceparent.
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"tracestate", b"openai-organization",
@@ -65,6 +69,8 @@ class _Call:
     """Stream from the replica and rebuild the JSON response here (to time it)."""
     priority: int
     """Its place in its class's admission queue (higher first)."""
+    trial: Trial | None = None
+    """Its experiment's record of it, when its class is in an enabled experiment."""
 
 
 @dataclass(slots=True)
@@ -126,6 +132,12 @@ class RequestCore:
                                          if p.pass_client_key)
         self.gates = state.admission.classes
         """Traffic classes under admission control (empty when none is configured)."""
+        self.experiments = state.experiments.by_class
+        """Traffic class -> its enabled experiment (empty when none is configured)."""
+        self.mirror = state.experiments.mirror = Mirror(
+            state.upstream, state.monitor, state.observer, self.timeouts,
+            self.default_timeouts, {p.name: p.max_inflight_per_replica
+                                    for p in state.config.pools})
         if state.tracing is not None:
             # A span around each request: decided here, once, so that without tracing no
             # request checks for it.
@@ -185,8 +197,10 @@ class RequestCore:
             limit = None
             if grant is not None:
                 limit = grant.per_replica
-                if grant.pool is not pool:
+                if grant.borrowed:
                     pool = await self._borrow(call, grant.pool)
+                elif grant.pool is not pool:
+                    limit = None  # split to its candidate: the slot is the class's own pool's
             views = pool.healthy_views(request.model)
             if limit is not None and views:
                 # Replicas at their limit are hidden from routing. Admission keeps some replica
@@ -224,6 +238,9 @@ class RequestCore:
                     if grant is not None and isinstance(result.body, StreamBody):
                         result.body.on_end = grant.release
                         handed_over = True
+                    trial = call.trial
+                    if trial is not None and trial.pair is not None and result.status < 300:
+                        self._mirror(call, trial)
                     return result
                 last_error = result.detail
                 obs.try_failed(pool.name, name, result.reason)
@@ -234,6 +251,8 @@ class RequestCore:
                     candidates.append(name)
             obs.finished(Finished(pool.name, first.replica, call.traffic_class, "502",
                                   perf_counter() - request.received_at))
+            if call.trial is not None:
+                call.trial.failed("http_5xx")
             # The detail names replicas and their addresses: for the log, not the client.
             log.warning("502 to the client: every replica tried in pool %s failed: %s",
                         pool.name, last_error or "no healthy replica left to try")
@@ -251,6 +270,10 @@ class RequestCore:
         cls = request.traffic_class or state.classifier.classify(
             headers, payload.get("service_tier"), client)
         pool = state.pool_for_class[cls]
+        routing, arm, pair = None, BASELINE, None
+        exp = self.experiments.get(cls)
+        if exp is not None:
+            pool, routing, arm, pair = self._arm(request, exp, cls)
         model = request.model
         if model not in pool.models:
             others = [p.name for p in state.pools if model in p.models]
@@ -262,11 +285,12 @@ class RequestCore:
         cap = self.token_caps.get(cls)
         if cap is not None:
             capped = cap_tokens(payload, cap, cls)
-        routing = None
-        if not pool.hashes_engine_tokens:
+        if routing is None and not pool.hashes_engine_tokens:
             routing = _hash_chars(request, pool, cls)
         assemble = False
-        if not request.stream and self.internal_stream:
+        # An experiment compares TTFT: its class's whole answers are timed whatever the
+        # server's default (the cost falls on the classes under trial only).
+        if not request.stream and (self.internal_stream or exp is not None):
             payload["stream"] = True
             opts = payload.get("stream_options")
             payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
@@ -285,10 +309,47 @@ class RequestCore:
             priority = classifier.priority(headers, client) if classifier.sets_priority or (
                 client is not None and client.priority is not None) else 0
         return _Call(request, pool, cls, routing, body, fwd,
-                     auth.decode("latin-1") if auth else None, assemble, priority)
+                     auth.decode("latin-1") if auth else None, assemble, priority,
+                     None if exp is None else Trial(exp, arm, request.received_at, pair))
+
+    @staticmethod
+    def _arm(request: InferenceRequest, exp: LiveExperiment, cls: str
+             ) -> tuple[Pool, RoutingRequest | None, str, int | None]:
+        """The pool (split), its routing request if hashed here, the arm, and the pair id of
+        a request to mirror (None: not mirrored). A prefix's side or sampling is decided by
+        the first block hash of its prompt as the baseline pool hashes characters."""
+        base = exp.baseline
+        if exp.mode == "mirror" and exp.fraction >= 1.0:
+            return base, None, BASELINE, exp.new_pair()
+        payload = request.payload
+        text = render_chat(payload) if request.chat else render_completion(payload)
+        keyed = base.router.request_from_text(text, cls)
+        key = keyed.hashes[0] if keyed.hashes else keyed.key
+        routing = None if base.hashes_engine_tokens else keyed
+        if exp.mode == "mirror":
+            return base, routing, BASELINE, exp.new_pair() if exp.on_candidate(key) else None
+        cand = exp.candidate
+        if (exp.on_candidate(key) and request.model in cand.models
+                and any(r.healthy for r in cand.replicas.values())):
+            return (cand, None if cand.hashes_engine_tokens else
+                    cand.router.request_from_text(text, cls), CANDIDATE, None)
+        return base, routing, BASELINE, None
+
+    def _mirror(self, call: _Call, trial: Trial) -> None:
+        """A copy of the request to the candidate, unless the switch was turned off since."""
+        exp = trial.experiment
+        if not exp.enabled:
+            return
+        headers = call.headers
+        if call.client_auth and exp.candidate.name in self.pass_client_key:
+            headers = {**headers, "Authorization": call.client_auth}
+        assert trial.pair is not None
+        self.mirror.offer(exp, call.request, headers, trial.pair)
 
     def _unrouted(self, call: _Call, status: str) -> None:
         """The request ends with `status` before any replica was chosen."""
+        if call.trial is not None:
+            call.trial.failed(_UNROUTED.get(status, "http_4xx"))
         self.state.observer.finished(Finished(call.pool.name, "none", call.traffic_class, status,
                                               perf_counter() - call.request.received_at))
 
@@ -323,6 +384,8 @@ class RequestCore:
         attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
                           call.request.received_at, self.state.observer, call.assemble,
                           monitor)
+        if call.trial is not None:
+            attempt.trial = call.trial
         headers = call.headers
         # The pool's (or replica's) own credentials, and only to it; the client's key only to a
         # pool configured to receive it.
@@ -365,7 +428,9 @@ class RequestCore:
                 reply = await relay_assembled(resp, attempt, link, extra,
                                               call.request.chat, self.max_response)
             else:
-                attempt.sent()  # the body is read whole: its first byte is its headers
+                # Still held while the body is read: nothing reaches the client until it is
+                # whole, so first_byte_s, the client leaving and the stall watch can still
+                # interrupt it, and a broken or garbage answer is tried elsewhere.
                 reply = await relay_passthrough(resp, attempt, link, extra,
                                                 self.max_response)
             attempt.sent()

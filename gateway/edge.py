@@ -107,8 +107,8 @@ class InferenceEndpoint:
 
 
 WATCH_AFTER_S = 0.05
-"""How long a try waits for its replica's answer before the client's disconnect is listened
-for (see `EdgeLink.watch_soon`)."""
+"""How long a try waits for its replica's answer, or relays it, before the client's disconnect
+is listened for (see `EdgeLink.watch_soon`)."""
 
 
 class EdgeLink(ClientLink):
@@ -129,10 +129,10 @@ class EdgeLink(ClientLink):
             self._watcher = asyncio.create_task(self._listen())
 
     def watch_soon(self) -> None:
-        # Most replicas answer (their headers) within a millisecond or two: a listener started
-        # at once would run, and be torn down, for nearly every request, for nothing. One that
-        # starts WATCH_AFTER_S into the wait still drops a request whose client left long
-        # before its answer.
+        # Most replicas answer (their headers, a short body) within a millisecond or two: a
+        # listener task started at once would run, and be torn down, for nearly every request,
+        # for nothing. One that starts WATCH_AFTER_S into the wait (or into the relay of a
+        # stream) still drops a request whose client left long before its answer.
         if self._watcher is None and self._soon is None:
             self._soon = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self.watch)
 

@@ -114,9 +114,10 @@ class ClientLink:
         self.watch()
 
     def attach(self, upstream: UpstreamResponse) -> None:
-        """The response now being read; dropped at once if the client has already left."""
+        """The response now being read; dropped at once if the client has already left.
+        Listening starts soon rather than now: most answers are relayed within moments."""
         self.upstream = upstream
         if self.gone:
             upstream.abort()
         else:
-            self.watch()
+            self.watch_soon()

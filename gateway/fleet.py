@@ -179,7 +179,8 @@ class Fleet:
                     changes.append(f"{pool.name}/{name} models or api_key changed")
         if self.discovery is not None:
             changes += self.discovery.apply(new)
-        return changes, restart_needed(self.state.config, new)
+        changed, not_applied = self.state.experiments.apply(new)
+        return changes + changed, restart_needed(self.state.config, new) + not_applied
 
     # Discovery ----------------------------------------------------------------------------
 
@@ -328,11 +329,16 @@ class Fleet:
         task.add_done_callback(self._tasks.discard)
 
 
+_RELOADED = frozenset(("pools", "experiments"))
+"""Top-level sections a reload applies (the pools: their replicas and discovery)."""
+
+
 def restart_needed(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     """The settings, other than pools' replicas, that differ between `old` and `new`: a
     reload does not apply them (each is read once, when the gateway starts)."""
     a, b = _settings(old), _settings(new)
-    out = [k for k in sorted(set(a) | set(b)) if k != "pools" and a.get(k) != b.get(k)]
+    out = [k for k in sorted(set(a) | set(b))
+           if k not in _RELOADED and a.get(k) != b.get(k)]
     pa, pb = a["pools"], b["pools"]
     for name in sorted(set(pa) | set(pb)):
         if name not in pb:

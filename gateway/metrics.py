@@ -160,6 +160,30 @@ class GatewayMetrics:
             "timeouts in a row), stalled (no byte for stall_s while streams that had content "
             "wait).",
             ("pool", "replica", "reason"))
+        # Engine A/B experiments (gateway/experiments/): each arm's requests, mirror copies.
+        ea = ("experiment", "arm")
+        self.experiment_requests = CounterFamily(
+            "gateway_experiment_requests", "Requests of an experiment's traffic class by arm "
+            "(baseline: the client's requests on the baseline pool; candidate: split requests "
+            "served by the candidate pool, or mirror copies) and outcome: ok, or the error's "
+            "kind (http_4xx, http_5xx, timeout, connect, read, stream_error, cancelled, "
+            "rejected, no_replica).", (*ea, "outcome"))
+        self.experiment_ttft = HistogramFamily(
+            "gateway_experiment_time_to_first_token_seconds", "An experiment arm's time to "
+            "first token, measured at the gateway (a mirror copy's from when it was sent).",
+            ea, buckets=TTFT_BUCKETS)
+        self.experiment_tpot = HistogramFamily(
+            "gateway_experiment_time_per_output_token_seconds", "An experiment arm's mean "
+            "time between output tokens after the first, per request.", ea,
+            buckets=TPOT_BUCKETS)
+        self.experiment_output_tokens = CounterFamily(
+            "gateway_experiment_output_tokens", "Output tokens an experiment arm generated.",
+            ea)
+        self.experiment_copies = CounterFamily(
+            "gateway_experiment_mirror_copies", "Mirror copies by result: sent (to a "
+            "candidate replica), dropped (not sent: max_concurrency copies in flight, or no "
+            "healthy candidate replica with room), failed (sent, and not answered well).",
+            ("experiment", "result"))
         # Configuration reloads (SIGHUP, the file changing).
         self.config_reloads = CounterFamily(
             "gateway_config_reloads", "Reloads of the configuration file, by result: ok "

@@ -71,7 +71,8 @@ def _openai_error(resp: UpstreamResponse, body: bytes) -> bool:
 async def relay_passthrough(resp: UpstreamResponse, attempt: Attempt, link: ClientLink,
                             extra: list[tuple[bytes, bytes]],
                             limit: int = DEFAULT_MAX_RESPONSE) -> Reply:
-    """A non-streaming answer, relayed whole and untouched (its usage read on the side)."""
+    """A non-streaming answer, relayed whole and untouched (its usage read on the side). A
+    2xx answer that is not a JSON object raises ReadFailure: it is tried elsewhere."""
     return await _relay_whole(resp, attempt, link, extra, limit, usage=True)
 
 
@@ -291,7 +292,9 @@ async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, link: ClientLin
             raise ReadFailure(str(exc), not exc.timed_out) from None
         chunks = []
     data = b"".join(chunks) if len(chunks) != 1 else chunks[0]
-    if usage and resp.status < 300 and data:
-        attempt.watcher.whole(data)
+    if usage and resp.status < 300 and not link.gone and not attempt.watcher.whole(data):
+        # An HTML page from a proxy, a truncated body: nothing has reached the client, so
+        # another replica may still answer.
+        raise ReadFailure("NotJSON: the replica's answer is not a JSON object")
     attempt.end(Outcome.CLIENT_GONE if link.gone else Outcome.ANSWERED, resp.status)
     return Reply(resp.status, [*JSON_HEADERS, *extra, _length(data)], data)

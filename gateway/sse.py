@@ -121,17 +121,20 @@ class StreamWatcher:
         self._settle()
         return self._last_token_at
 
-    def whole(self, body: bytes) -> None:
-        """A non-streaming answer, relayed untouched: only its usage is read (prompt tokens
-        calibrate the pool's characters per token; completion tokens are counted)."""
-        if b'"usage"' not in body:
-            return
+    def whole(self, body: bytes) -> bool:
+        """A non-streaming answer, relayed untouched: whether it is a JSON object, and its
+        usage read (prompt tokens calibrate the pool's characters per token; completion
+        tokens are counted)."""
         try:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
-            return
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            self._usage = obj["usage"]
+            return False
+        if not isinstance(obj, dict):
+            return False
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self._usage = usage
+        return True
 
     def completion_tokens(self) -> int:
         usage = self.usage

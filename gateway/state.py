@@ -9,10 +9,12 @@ from backends.health import HealthMonitor
 from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
 from backends.upstream.aiohttp_client import AiohttpUpstream
+from backends.upstream.httptools_client import HttptoolsUpstream
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.classify import Classifier
 from gateway.config import GatewayConfig
+from gateway.experiments.live import Experiments
 from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 
 
 class GatewayState:
-    """Built from the config; `upstream` is the transport to the replicas (aiohttp unless a
-    test passes an in-process one)."""
+    """Built from the config; `upstream` is the transport to the replicas (the one
+    `server.upstream_client` names, unless a test passes an in-process one)."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
                  upstream: Upstream | None = None, tracing: Tracing | None = None) -> None:
@@ -62,8 +64,9 @@ class GatewayState:
             self.shared = SharedRouting(config.redis, self.pools, self.observer, self.redis)
         self.limiter = RateLimiter(config, self.redis)
         self.models = sorted({m for p in self.pools for m in p.models})
-        self.upstream: Upstream = upstream or AiohttpUpstream(
-            keepalive_s=config.server.upstream_keepalive_s)
+        self.experiments = Experiments(config, self.pool_by_name, self.metrics)
+        """Engine A/B experiments (their copies are sent by the request core's mirror)."""
+        self.upstream: Upstream = upstream or new_upstream(config)
         self.monitor = HealthMonitor(self.pools, self.upstream,
                                      HealthEvents(self.observer, self.admission))
 
@@ -80,6 +83,8 @@ class GatewayState:
     async def stop(self) -> None:
         await self.history.stop()
         await self.monitor.stop()
+        if self.experiments.mirror is not None:
+            await self.experiments.mirror.stop()
         if self.shared is not None:
             await self.shared.stop()
         await self.upstream.aclose()
@@ -92,6 +97,14 @@ class GatewayState:
     def ready(self) -> tuple[bool, dict[str, int]]:
         healthy = {p.name: sum(r.healthy for r in p.replicas.values()) for p in self.pools}
         return all(healthy.values()), healthy
+
+
+def new_upstream(config: GatewayConfig) -> Upstream:
+    """The transport `server.upstream_client` names."""
+    server = config.server
+    if server.upstream_client == "aiohttp":
+        return AiohttpUpstream(keepalive_s=server.upstream_keepalive_s)
+    return HttptoolsUpstream(keepalive_s=server.upstream_keepalive_s)
 
 
 class HealthEvents:

@@ -73,6 +73,8 @@ class StatsRecorder:
                     "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
                     "other_gateways_inflight": pool.load.remote.get(r.name, (0, 0.0))[0],
                     "engine_step_s": _round(pool.load.steps.step_s(r.name)),
+                    "prefill_tokens_per_s": _rate(pool.load.steps.replica_rate(r.name)),
+                    "speed": round(pool.load.steps.speed(r.name), 3),
                     "requests": s.requests,
                     "errors": s.errors,
                     "estimated_hit_ratio": round(s.hit_blocks / looked, 4) if looked else None,
@@ -140,6 +142,10 @@ class StatsRecorder:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+def _rate(value: float | None) -> int | None:
+    return None if value is None else round(value)
 
 
 def _quantile(values: deque[float], q: float) -> float | None:

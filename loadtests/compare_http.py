@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from backends.sim.fleet_spec import describe
 from loadtests import replay as rp
 from loadtests.caches import reset_prefix_caches
 from loadtests.fleet import Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import wait_idle
 from loadtests.report import cell, emit_json, markdown_table
-from loadtests.settings import add_workload_param
+from loadtests.settings import add_workload_param, key_value
 from loadtests.traces import TraceRequest, load_requests
 
 SGLANG = "sglang_cache_aware"
@@ -32,8 +33,10 @@ DEFAULT_ROUTERS = ("round_robin", "least_load", "prefix_affinity", SGLANG)
 
 
 def run_one(router: str, fleet: Fleet, replica_urls: list[str],
-            requests: Sequence[TraceRequest], opts: rp.ReplayOptions) -> dict[str, Any]:
-    """Start `router` in front of the replicas, replay, stop it; the replay's result."""
+            requests: Sequence[TraceRequest], opts: rp.ReplayOptions,
+            prefill_rates: Sequence[float] | None = None) -> dict[str, Any]:
+    """Start `router` in front of the replicas, replay, stop it; the replay's result (with
+    each replica's prefill rate, its prefill imbalance by time too)."""
     wait_idle(replica_urls)
     reset_prefix_caches(replica_urls)
     opts.label = router
@@ -48,12 +51,15 @@ def run_one(router: str, fleet: Fleet, replica_urls: list[str],
         finally:
             handle.stop()
     else:
-        url, proc = rp.start_gateway(fleet, replica_urls, router, name=f"gateway-{router}")
+        policy, *pairs = router.split("/")
+        routing = dict(key_value(p) for p in pairs)
+        url, proc = rp.start_gateway(fleet, replica_urls, policy, routing,
+                                     name=f"gateway-{len(fleet.procs)}-{policy}")
         try:
             data = run_async(rp.replay(url, replica_urls, requests, opts))
         finally:
             fleet.stop_process(proc)
-    return rp.summarize(data, requests, router)
+    return rp.summarize(data, requests, router, prefill_rates)
 
 
 def _f(v: float | None, digits: int = 3) -> str:
@@ -64,7 +70,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     """One markdown row per router."""
     header = ["router", "requests", "errors", "TTFT mean s", "TTFT p50 s", "TTFT p90 s",
               "TTFT p99 s", "TPOT p50 s", "hit ratio", "ideal", "hit/ideal", "imbalance",
-              "prefill imb.", "peak in-flight imb.", "duration s"]
+              "prefill imb.", "prefill time imb.", "peak in-flight imb.", "duration s"]
     rows = []
     for r in results:
         hit, ideal = r.get("hit_ratio"), r.get("ideal_hit_ratio")
@@ -73,7 +79,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             r["policy"], str(r["requests"]), str(r["errors"]), _f(r["ttft_mean_s"]),
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), _f(r["ttft_p99_s"]),
             _f(r["tpot_p50_s"], 4), _f(hit), _f(ideal), _f(rel, 2), _f(r["imbalance"], 2),
-            _f(r["prefill_imbalance"], 2), _f(r["peak_inflight_imbalance"], 2),
+            _f(r["prefill_imbalance"], 2), _f(r.get("prefill_time_imbalance"), 2),
+            _f(r["peak_inflight_imbalance"], 2),
             _f(r["duration_s"], 1)])
     return markdown_table(header, rows)
 
@@ -84,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
     src.add_argument("--workload", choices=sorted(rp.SYNTHETIC), help="a synthetic workload")
     add_workload_param(p)
-    p.add_argument("--replicas", type=int, default=8)
+    rp.add_fleet_arguments(p)
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
-                   help=f"comma-separated; gateway policies or {SGLANG}")
+                   help=f"comma-separated; gateway policies, each optionally with routing "
+                   f"settings as POLICY/KEY=VALUE/... (prefix_affinity/replica_speed=false), "
+                   f"or {SGLANG}")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=rp.DEFAULT_MAX_OUTPUT)
@@ -104,20 +113,23 @@ def main(argv: list[str] | None = None) -> int:
     requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
                                 dict(args.workload_param), from_zero=True)
     source = args.workload or Path(str(args.trace).rstrip("/")).name
+    sims = rp.sim_fleet(args)
+    args.replicas = len(sims)
+    rates = [r.build().prefill_tokens_per_s for r in sims]
     fleet = Fleet()
     results: list[dict[str, Any]] = []
     try:
         with sigterm_as_interrupt():
             urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
-                                    args.time_scale)
-            rp.log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
+                                    args.time_scale, fleet=args.fleet, slow=args.slow)
+            rp.log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
             for router in routers:
                 opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout)
                 t = time.monotonic()
                 try:
-                    res = run_one(router, fleet, urls, requests, opts)
+                    res = run_one(router, fleet, urls, requests, opts, rates)
                 except (RuntimeError, FileNotFoundError, OSError) as exc:
                     rp.log(f"{router}: FAILED: {exc}")
                     res = {"policy": router, "failed": str(exc)[:500]}
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet.stop()
     ok = [r for r in results if "failed" not in r]
     print(f"\n{source}: {len(requests)} requests, speedup {args.speedup}, {args.replicas} "
-          f"replicas ({args.profile}, time scale {args.time_scale}, "
+          f"replicas ({describe(sims)}, time scale {args.time_scale}, "
           f"{args.kv_capacity_tokens} KV tokens each)\n")
     print(results_table(ok), end="")
     for r in results:

@@ -83,18 +83,21 @@ class Fleet:
 
     def start_sims(self, n: int, kv_capacity_tokens: int, profile: str,
                    time_scale: float = 1.0, model: str = MODEL,
-                   deadline_s: float = 60.0, name: str = "sim") -> list[str]:
+                   deadline_s: float = 60.0, name: str = "sim", fleet: str | None = None,
+                   slow: str | None = None) -> list[str]:
         """`n` simulated vLLM replicas in one process; their base URLs once all are healthy.
 
         `name` prefixes the replicas' names and names the log (`NAMEs.log`), so a benchmark
-        can run several such processes (one per pool).
+        can run several such processes (one per pool). `fleet` and `slow` give the replicas
+        mixed speeds (backends/sim/fleet_spec.py; `fleet` must describe `n` replicas).
         """
         base = consecutive_free_ports(n)
+        mixed = [*(["--fleet", fleet] if fleet else []), *(["--slow", slow] if slow else [])]
         proc = self.spawn([sys.executable, "-m", "backends.sim", "--port", str(base),
                            "--count", str(n), "--kind", "vllm", "--model", model,
                            "--profile", profile, "--time-scale", str(time_scale),
-                           "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", name],
-                          f"{name}s")
+                           "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", name,
+                           *mixed], f"{name}s")
         urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
         processes.wait_healthy(urls, [proc], deadline_s=deadline_s)
         return urls

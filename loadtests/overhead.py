@@ -4,9 +4,10 @@ Stub replicas answer instantly, so what the gateway adds is all that is measured
 measurement alternates direct and gateway runs (interleaved repetitions); the gateway and
 the stubs share one CPU core, the load generator has another.
 
-Each gateway runs at its checkout's own server defaults; --no-internal-stream turns
-`non_streaming_ttft` off in this checkout's gateway (non-streaming requests passed through
-instead of streamed from the stubs and reassembled); a baseline keeps its own default.
+Each gateway runs at its checkout's own server defaults; --internal-stream turns
+`non_streaming_ttft` on in this checkout's gateway (non-streaming requests streamed from the
+stubs and reassembled instead of passed through), --no-internal-stream off, and
+--upstream-client picks its client to the stubs; a baseline keeps its own defaults.
 
 With --baseline-root DIR, a second gateway runs from the checkout in DIR (its own code) beside
 this one, and every repetition runs direct, baseline and current in a rotating order; the
@@ -31,6 +32,7 @@ latency each adds.
     python -m loadtests.overhead --baseline-root ../old   # A/B against another checkout
     python -m loadtests.overhead --baseline-root . --admission 64   # admission's own cost
     python -m loadtests.overhead --sglang   # against the SGLang router, in the same run
+    python -m loadtests.overhead --baseline-root . --upstream-client aiohttp   # the clients
     python -m loadtests.overhead --shared-state   # shared routing state through Redis
 """
 
@@ -75,19 +77,23 @@ def pin_self(core: int) -> None:
 
 
 def start_gateway(fleet: Fleet, urls: list[str], name: str = "gateway",
-                  internal_stream: bool = True, root: Path = REPO,
+                  internal_stream: bool | None = None, root: Path = REPO,
+                  upstream_client: str | None = None,
                   policy: str = "prefix_affinity",
                   admission: int | None = None,
                   redis: dict | None = None) -> tuple[subprocess.Popen, str]:
     """A gateway on the server core in front of the stubs; `root` picks the checkout it runs
-    from; `admission`, a max_inflight_per_replica that puts it under admission control;
-    `redis`, its `redis` section."""
+    from; `internal_stream` and `upstream_client`, its `non_streaming_ttft` and
+    `upstream_client` (None: its checkout's default); `admission`, a max_inflight_per_replica
+    that puts it under admission control; `redis`, its `redis` section."""
     pool = {"max_inflight_per_replica": admission} if admission else None
+    server = {} if internal_stream is None else {"non_streaming_ttft": internal_stream}
+    if upstream_client is not None:
+        server["upstream_client"] = upstream_client
     url, proc = fleet.start_gateway(urls, name, deadline_s=30, core=SERVER_CORE, root=root,
                                     pool="main", replica_prefix="stub",
                                     routing={"policy": policy},
-                                    server=None if internal_stream
-                                    else {"non_streaming_ttft": False},
+                                    server=server or None,
                                     pool_settings=pool, redis=redis)
     return proc, url
 
@@ -249,9 +255,10 @@ def start_sglang(f: Fleet, urls: list[str]):
 
 
 @contextlib.contextmanager
-def fleet(count: int, internal_stream: bool = True,
+def fleet(count: int, internal_stream: bool | None = None,
           baseline_root: Path | None = None, admission: int | None = None,
-          sglang: bool = False, shared_state: bool = False) -> Iterator[dict]:
+          sglang: bool = False, shared_state: bool = False,
+          upstream_client: str | None = None) -> Iterator[dict]:
     """Stubs and a gateway in front of them (and one from `baseline_root`, and the SGLang
     router, when asked), all on the server core; stopped on exit. `shared_state`: both
     gateways use one Redis, only the current one shares its routing state through it."""
@@ -259,6 +266,7 @@ def fleet(count: int, internal_stream: bool = True,
         stub, urls = f.start_stubs(count, core=SERVER_CORE)
         redis_url = f.start_redis() if shared_state else None
         gw, gw_url = start_gateway(f, urls, internal_stream=internal_stream,
+                                   upstream_client=upstream_client,
                                    admission=admission,
                                    redis={"url": redis_url, "key_prefix": "current:"}
                                    if redis_url else None)
@@ -323,9 +331,10 @@ def measure(args: argparse.Namespace) -> dict:
     are "baseline" and "current", else "gateway" (and "sglang" with --sglang)."""
     results: dict = {"closed": {}, "open": {}, "config": vars(args)}
     baseline_root = args.baseline_root.resolve() if args.baseline_root else None
-    with fleet(args.replicas, not args.no_internal_stream, baseline_root,
+    with fleet(args.replicas, args.internal_stream, baseline_root,
                args.admission, getattr(args, "sglang", False),
-               getattr(args, "shared_state", False)) as f:
+               getattr(args, "shared_state", False),
+               getattr(args, "upstream_client", None)) as f:
         stub_pid = f["stub"].pid
         # name: (URLs round robin, PIDs whose CPU counts, the router's PID or None).
         # Direct: the load generator talks to the stubs itself, round robin over them.
@@ -599,9 +608,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang", action="store_true",
                     help="also run the SGLang router (cache_aware; deploy/sglang-router/"
                          "install.sh installs it) in front of the same stubs, interleaved")
-    ap.add_argument("--no-internal-stream", action="store_true",
-                    help="this checkout's gateway with non_streaming_ttft: false (plain "
-                         "non-stream forward); a baseline keeps its own default")
+    ap.add_argument("--internal-stream", dest="internal_stream", action="store_true",
+                    default=None, help="this checkout's gateway with non_streaming_ttft: true "
+                    "(non-streaming requests streamed from the stubs and reassembled); a "
+                    "baseline keeps its own default")
+    ap.add_argument("--no-internal-stream", dest="internal_stream", action="store_false",
+                    help="this checkout's gateway with non_streaming_ttft: false (its default: "
+                         "plain non-stream forward)")
+    ap.add_argument("--upstream-client", choices=["httptools", "aiohttp"],
+                    help="this checkout's gateway with this server.upstream_client (a baseline "
+                         "keeps its own default)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--baseline-root", type=Path, metavar="DIR",
                     help="also run a gateway from the checkout in DIR (its own code) and "

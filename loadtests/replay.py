@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, describe, fleet_profiles
 from gateway import processes
 from gateway.config import RoutingSettings
 from gateway.defaults import one_pool_config
@@ -236,7 +237,10 @@ async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
 # -- report ----------------------------------------------------------------------------------
 
 
-def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> dict[str, Any]:
+def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
+              prefill_rates: Sequence[float] | None = None) -> dict[str, Any]:
+    """The run's report; with each replica's prefill rate (tokens/s, in replica order) it
+    adds `prefill_time_imbalance`: max over mean of uncached prompt tokens / rate."""
     ok = [r for r in data.results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
@@ -269,6 +273,9 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str) -> d
         "ideal_hit_ratio": ideal_hit_ratio(requests),
         "imbalance": max_over_mean(per_req),
         "prefill_imbalance": max_over_mean(per_prefill),
+        "prefill_time_imbalance": (
+            max_over_mean([t / r for t, r in zip(per_prefill, prefill_rates, strict=True)])
+            if prefill_rates and per_prefill else None),
         "peak_inflight_imbalance": max(data.inflight_ratios) if data.inflight_ratios else None,
         "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),
         "send_lag_p99_s": percentile(lags, 0.99),
@@ -304,9 +311,9 @@ def render_table(res: dict[str, Any]) -> str:
     rows = [(k, _fmt(res.get(k))) for k in (
         "policy", "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
-        "prefill_imbalance", "peak_inflight_imbalance", "gateways", "agreement", "warm_requests",
-        "latency_p50_s", "send_lag_p99_s", "requests_per_replica", "requests_per_gateway",
-        "gateway_cpu_ms_per_request")]
+        "prefill_imbalance", "prefill_time_imbalance", "peak_inflight_imbalance", "gateways",
+        "agreement", "warm_requests", "latency_p50_s", "send_lag_p99_s", "requests_per_replica",
+        "requests_per_gateway", "gateway_cpu_ms_per_request")]
     return markdown_table(["metric", "value"], rows)
 
 
@@ -372,8 +379,29 @@ def cpu_seconds(procs: Sequence[subprocess.Popen]) -> float | None:
 def sim_conditions(args: argparse.Namespace) -> dict[str, Any]:
     """The simulated replicas a run drove, as its result records them (replay's arguments,
     which compare_http and gateways share)."""
-    return {"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
-            "profile": args.profile, "time_scale": args.time_scale}
+    out = {"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
+           "profile": args.profile, "time_scale": args.time_scale}
+    if getattr(args, "fleet", None) or getattr(args, "slow", None):
+        out["fleet"] = describe(sim_fleet(args))
+    return out
+
+
+def sim_fleet(args: argparse.Namespace) -> list[Any]:
+    """Each simulated replica's ReplicaProfile from --replicas, --profile, --fleet, --slow
+    (argparse errors are raised as SystemExit)."""
+    try:
+        return fleet_profiles(args.replicas, args.profile, getattr(args, "fleet", None),
+                              getattr(args, "slow", None))
+    except ValueError as exc:
+        raise SystemExit(f"{sys.argv[0]}: {exc}") from None
+
+
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """--replicas, --fleet and --slow: the simulated replicas and their speeds."""
+    p.add_argument("--replicas", type=int, default=None,
+                   help="simulated replicas (default 8, or the --fleet's count)")
+    p.add_argument("--fleet", default=None, help=FLEET_HELP)
+    p.add_argument("--slow", default=None, help=SLOW_HELP)
 
 
 def default_policy() -> str:
@@ -390,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", help="Mooncake-format JSONL file, or a RAGPulse directory")
     src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
     add_workload_param(p)
-    p.add_argument("--replicas", type=int, default=8, help="simulated replicas (without --url)")
+    add_fleet_arguments(p)
     p.add_argument("--policy", default=None,
                    help=f"gateway routing policy (default: the gateway's, {default_policy()})")
     p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
@@ -462,15 +490,19 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("replay: --redis-set needs --redis or --redis-url")
                 redis_url = fleet.start_redis() if args.redis else args.redis_url
                 redis = redis_section(redis_url, dict(args.redis_set)) if redis_url else None
+                sims = sim_fleet(args)
+                args.replicas = len(sims)
                 replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
-                                                args.profile, args.time_scale)
+                                                args.profile, args.time_scale,
+                                                fleet=args.fleet, slow=args.slow)
+                rates = [r.build().prefill_tokens_per_s for r in sims]
                 started = start_gateways(fleet, replica_urls, args.policy, dict(args.settings),
                                          args.gateways, redis,
                                          workers=args.gateway_workers)
                 urls = [u for u, _ in started]
                 gateways = [proc for _, proc in started]
                 policy = args.label or args.policy or default_policy()
-                log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
+                log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and "
                     f"{len(urls)} gateway(s) ({policy}"
                     f"{f', Redis {redis_url}' if redis_url else ''}) at {', '.join(urls)}; "
@@ -484,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_before = cpu_seconds(gateways) if gateways else None
             data = run_async(replay(urls, replica_urls, requests, opts))
             cpu_after = cpu_seconds(gateways) if gateways else None
-            res = summarize(data, requests, policy)
+            res = summarize(data, requests, policy, None if args.url else rates)
             if not args.url:
                 res.update(sim_conditions(args), redis=redis_url is not None,
                            log_dir=str(fleet.log_dir))

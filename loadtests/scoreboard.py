@@ -3,8 +3,10 @@
 Each table is one `python -m loadtests.simulate` command (printed above it), so every figure
 in docs/routing.md comes from a committed command:
 
-    python -m loadtests.scoreboard                 # everything (about 5 min with 2 jobs)
+    python -m loadtests.scoreboard                 # everything (the 32 scenarios of equal
+                                                   # replicas: about 5 min with 2 jobs)
     python -m loadtests.scoreboard --only tenants  # scenarios whose name contains "tenants"
+    python -m loadtests.scoreboard --only mixed    # the heterogeneous fleets' scenarios
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from backends.sim.fleet_spec import ReplicaProfile, describe, fleet_profiles
 from gateway.config import RoutingSettings
 from loadtests import traces
 from loadtests.fleet import REPO
@@ -50,13 +53,29 @@ class Scenario:
     speedup: float = 1.0
     params: tuple[tuple[str, Any], ...] = ()
     held_out: bool = False  # never used to choose a setting (docs/routing.md, "Held out")
+    fleet: str | None = None  # replicas of mixed speeds (simulate --fleet), or
+    slow: str | None = None  # some replicas slower (simulate --slow N:F)
+    tag: str = ""  # names the mixed fleet in --only and in the tables ("mixed", "slow")
+
+    @property
+    def key(self) -> str:
+        return f"{self.tag}:{self.name}" if self.tag else self.name
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} on the {self.tag} fleet" if self.tag else self.name
+
+    def profiles(self) -> list[ReplicaProfile]:
+        return fleet_profiles(self.replicas, DEFAULT_PROFILE, self.fleet, self.slow)
 
     def command(self) -> str:
         src = f"--trace {self.trace}" if self.trace else f"--workload {self.workload}"
         extra = "".join(f" --workload-param {k}={v}" for k, v in self.params)
         speed = f" --speedup {self.speedup:g}" if self.speedup != 1.0 else ""
+        mixed = (f" --fleet {self.fleet}" if self.fleet else "") + (
+            f" --slow {self.slow}" if self.slow else "")
         return (f"python -m loadtests.simulate {src}{extra}{speed} --replicas {self.replicas}"
-                " --policy all")
+                f"{mixed} --policy all")
 
 
 def _p(**kw: Any) -> tuple[tuple[str, Any], ...]:
@@ -135,7 +154,33 @@ def _long_conversations() -> list[Scenario]:
     return out
 
 
-SCENARIOS = _scenarios()
+MIXED_FLEET = "llama-8b-h200:4,qwen-32b-h200:4"
+
+
+def _hetero_scenarios() -> list[Scenario]:
+    """8 replicas of two speeds: half at the 8B model's speed and half at the 32B's (two GPU
+    generations in one pool), and seven at the 32B's with one 3x slower (a throttled or shared
+    GPU); the 8-replica loads of the workloads above."""
+    out: list[Scenario] = []
+    for tag, fleet, slow in (("mixed", MIXED_FLEET, None), ("slow", None, "1:3")):
+        kw: dict[str, Any] = {"fleet": fleet, "slow": slow, "tag": tag}
+        ten = {"n_tenants": 300, "n_requests": 4000}
+        out += [Scenario("tenants", 8, "light", True, workload="tenants",
+                         params=_p(**ten, rate_per_s=10), **kw),
+                Scenario("tenants", 8, "heavy", True, workload="tenants",
+                         params=_p(**ten, rate_per_s=18), **kw),
+                Scenario("multi_turn", 8, "light", True, workload="multi_turn",
+                         params=_p(n_sessions=200, rate_per_s=8), **kw),
+                Scenario("mooncake", 8, "light", True, trace=MOONCAKE, speedup=0.5, **kw),
+                Scenario("hot_prompt", 8, "light", False, workload="hot_prompt",
+                         params=_p(n_requests=2000, rate_per_s=20), **kw),
+                Scenario("control", 8, "light", False, workload="tenants",
+                         params=_p(n_tenants=4, system_blocks=4, query_blocks=1,
+                                   n_requests=3000, rate_per_s=25), **kw)]
+    return out
+
+
+SCENARIOS = _scenarios() + _hetero_scenarios()
 _workloads: dict[Scenario, Workload] = {}
 
 # The ablation: prefix_affinity at the gateway's defaults, then with one choice undone at a
@@ -177,7 +222,8 @@ def _run(job: tuple[Scenario, str] | tuple[Scenario, str, tuple[tuple[str, Any],
         w = _workloads[sc] = load_workload(trace, sc.workload, speedup=sc.speedup,
                                            params=dict(sc.params))
     t0 = time.perf_counter()
-    report = simulate(w, policy, replicas=sc.replicas, settings=settings)
+    report = simulate(w, policy, replicas=sc.replicas, settings=settings,
+                      fleet=sc.profiles())
     return sc, policy, report, time.perf_counter() - t0
 
 
@@ -185,9 +231,10 @@ def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
     oracle_hit = reports["oracle"]["hit_ratio"]
     ideal = reports["oracle"]["ideal_hit_ratio"]
     lines = [
-        f"#### {sc.name}, {sc.replicas} replicas, {sc.load} load",
+        f"#### {sc.title}, {sc.replicas} replicas, {sc.load} load",
         "",
         f"`{sc.command()}`",
+        *(["", f"Fleet: {describe(sc.profiles())}."] if sc.tag else []),
         "",
         f"Ideal hit ratio (one infinite cache): {ideal:.3f}. TTFT floor (every request alone "
         f"on an idle engine with the ideal hit): {reports['oracle']['ttft_floor_mean_s']:.3f} s. "
@@ -195,8 +242,8 @@ def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
         f"{reports['oracle']['ttft_bound_mean_s']:.3f} s.",
         "",
         "| policy | TTFT mean s | p50 s | p99 s | hit | hit / ideal | hit / oracle's | "
-        "req imb | prefill imb | peak in-flight imb |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "req imb | prefill imb | prefill time imb | peak in-flight imb |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for policy in ALL_POLICIES:
         r = reports[policy]
@@ -205,7 +252,8 @@ def _table(sc: Scenario, reports: dict[str, dict[str, Any]]) -> list[str]:
             f"{r['ttft_p99_s']:.3f} | {r['hit_ratio']:.3f} | "
             f"{r['hit_ratio'] / ideal if ideal else 0:.2f} | "
             f"{r['hit_ratio'] / oracle_hit if oracle_hit else 0:.2f} | {r['imbalance']:.2f} | "
-            f"{r['prefill_imbalance']:.2f} | {r['peak_inflight_imbalance']:.2f} |")
+            f"{r['prefill_imbalance']:.2f} | {r['prefill_time_imbalance']:.2f} | "
+            f"{r['peak_inflight_imbalance']:.2f} |")
     return [*lines, ""]
 
 
@@ -217,26 +265,27 @@ def _ratio(a: float, b: float) -> str:
 def _summary(results: dict[Scenario, dict[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "| workload | replicas | load | pressure | prefix_affinity TTFT mean s | / oracle | "
-        "/ round_robin | / sglang (emulated) | / least_load | prefill imb | TTFT floor s | "
-        "co-batching bound s |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "/ round_robin | / sglang (emulated) | / least_load | prefill imb | prefill time imb | "
+        "TTFT floor s | co-batching bound s |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for sc, reports in results.items():
         pa = reports["prefix_affinity"]["ttft_mean_s"]
         lines.append(
-            f"| {sc.name} | {sc.replicas} | {sc.load} | {'yes' if sc.pressure else 'no'} | "
+            f"| {sc.title} | {sc.replicas} | {sc.load} | {'yes' if sc.pressure else 'no'} | "
             f"{pa:.3f} | {_ratio(pa, reports['oracle']['ttft_mean_s'])} | "
             f"{_ratio(pa, reports['round_robin']['ttft_mean_s'])} | "
             f"{_ratio(pa, reports['sglang_cache_aware']['ttft_mean_s'])} | "
             f"{_ratio(pa, reports['least_load']['ttft_mean_s'])} | "
             f"{reports['prefix_affinity']['prefill_imbalance']:.2f} | "
+            f"{reports['prefix_affinity']['prefill_time_imbalance']:.2f} | "
             f"{reports['oracle']['ttft_floor_mean_s']:.3f} | "
             f"{reports['oracle']['ttft_bound_mean_s']:.3f} |")
     return [*lines, ""]
 
 
 def ablation(jobs: int) -> int:
-    by_key = {f"{sc.name}/{sc.replicas}/{sc.load}": sc for sc in SCENARIOS}
+    by_key = {f"{sc.key}/{sc.replicas}/{sc.load}": sc for sc in SCENARIOS}
     scs = [by_key[k] for k in ABLATION_SCENARIOS]
     work = [(sc, "prefix_affinity", params) for _, params in ABLATION for sc in scs]
     with Pool(max(1, jobs)) as pool:
@@ -311,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ablation:
         return ablation(args.jobs)
-    chosen = [sc for sc in SCENARIOS if args.only in sc.name
+    chosen = [sc for sc in SCENARIOS if args.only in sc.key
               and (not args.replicas or sc.replicas == args.replicas)
               and (args.which is None or sc.held_out == (args.which == "held-out"))]
     if args.compare:
@@ -326,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Pool(max(1, args.jobs)) as pool:
         for sc, policy, report, wall in pool.imap(_run, jobs):
             results[sc][policy] = report
-            print(f"# {sc.name} {sc.replicas} {sc.load} {policy}: "
+            print(f"# {sc.key} {sc.replicas} {sc.load} {policy}: "
                   f"TTFT mean {report['ttft_mean_s']:.3f} s ({wall:.1f} s)",
                   file=sys.stderr, flush=True)
     print(f"Simulated: profile {DEFAULT_PROFILE}, KV cache {DEFAULT_KV_CAPACITY_TOKENS:,} "

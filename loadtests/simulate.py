@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from backends.sim.engine import EngineModel
-from backends.sim.profiles import PROFILES, LatencyProfile
+from backends.sim.fleet_spec import (
+    FLEET_HELP,
+    SLOW_HELP,
+    ReplicaProfile,
+    describe,
+    fleet_profiles,
+    is_uniform,
+)
+from backends.sim.profiles import PROFILES, LatencyProfile, fastest
 from backends.sim.prompt import estimate_tokens
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
@@ -69,7 +77,7 @@ SAMPLE_INTERVAL_S = 0.5
 REPORT_KEYS = (
     "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
     "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance", "prefill_imbalance",
-    "peak_inflight_imbalance", "policy", "replicas", "workload",
+    "prefill_time_imbalance", "peak_inflight_imbalance", "policy", "replicas", "workload",
 )  # fmt: skip
 
 
@@ -196,27 +204,50 @@ def settings_for(policy: str, given: dict[str, Any], *, strict: bool = True) -> 
     return RoutingSettings(**kept)
 
 
-def simulate(
+@dataclass(slots=True)
+class PoolRun:
+    """What one simulated pool did with a workload's requests, per request (indexed as the
+    workload's requests; -1 / NaN for a request it did not serve)."""
+
+    names: list[str]
+    engines: list[EngineModel]
+    router: Router
+    replica_of: list[int]
+    first_at: list[float]
+    finish_at: list[float]
+    out_tokens: list[int]
+    inflight_at_arrival: list[int]
+    """Requests running or waiting on the pool's engines when each one arrived."""
+    prefill_done: list[float]
+    routed: list[int]
+    inflight_ratios: list[float]
+
+
+def run_pool(
     workload: Workload,
     policy: str = "prefix_affinity",
     *,
     replicas: int = 8,
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
-    profile: str = DEFAULT_PROFILE,
+    profile: LatencyProfile,
     max_output: int = DEFAULT_MAX_OUTPUT,
     engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
     settings: RoutingSettings | None = None,
     policy_params: dict[str, Any] | None = None,
-    timeline: bool = False,
-) -> dict[str, Any]:
-    """Run one policy over the workload; returns the replay's report keys (with `timeline`,
-    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order)."""
-    if profile not in PROFILES:
-        raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    only: Sequence[int] | None = None,
+    profiles: Sequence[LatencyProfile] | None = None,
+) -> PoolRun:
+    """Route the workload's requests (or those listed in `only`, in time order) over a pool of
+    simulated replicas as the gateway does; per request, what happened.
+
+    `profiles` gives each replica its own profile (its length is the replica count); else
+    there are `replicas` replicas of `profile`."""
     settings = settings or RoutingSettings()
-    prof = PROFILES[profile]
+    profs = list(profiles) if profiles else [profile] * replicas
+    replicas = len(profs)
     names = [f"r{i}" for i in range(replicas)]
-    engines = {n: EngineModel(prof, kv_capacity_tokens, engine_block_tokens) for n in names}
+    engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens)
+               for n, p in zip(names, profs, strict=True)}
     engine_list = [engines[n] for n in names]
     pol = make_policy(policy, settings, engines, policy_params)
     router = Router(names, pol, block_chars=settings.block_chars,
@@ -235,11 +266,13 @@ def simulate(
     routing_reqs = workload.routing_requests(router)
     engine_hashes, prompt_tokens = workload.engine_prompts(engine_block_tokens)
     n = len(reqs)
+    order = range(n) if only is None else only
     replica_of = [-1] * n
     decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
     finish_at = [math.nan] * n
     out_tokens = [0] * n
+    inflight_at_arrival = [0] * n
     prefill_done = [0.0] * replicas  # true uncached prompt tokens computed, per replica
     routed = [0] * replicas
     index_of = {name: i for i, name in enumerate(names)}
@@ -247,7 +280,7 @@ def simulate(
     # As the HTTP replay samples the replicas' /metrics: every 0.5 s, max over mean of
     # running + waiting, kept when the mean is at least 1; the report takes the peak.
     inflight_ratios: list[float] = []
-    next_sample = reqs[0].timestamp_s if reqs else 0.0
+    next_sample = reqs[order[0]].timestamp_s if order else 0.0
 
     def sample_until(t: float) -> None:
         nonlocal next_sample
@@ -300,11 +333,13 @@ def simulate(
             sample_until(t)
             step(t, i)
 
-    for rid, req in enumerate(reqs):
+    for rid in order:
+        req = reqs[rid]
         now = req.timestamp_s
         # Engine events at the arrival instant happen first: a step ending now frees its slot.
         drain_until(now)
         sample_until(now)
+        inflight_at_arrival[rid] = sum(e.num_running + e.num_waiting for e in engine_list)
         rr = routing_reqs[rid]
         views = [router.load.view(name, now) for name in names]
         if oracle is not None:
@@ -323,6 +358,45 @@ def simulate(
         routed[i] += 1
         reschedule(i)
     drain_until(math.inf)
+
+    return PoolRun(names, engine_list, router, replica_of, first_at, finish_at, out_tokens,
+                   inflight_at_arrival, prefill_done, routed, inflight_ratios)
+
+
+def simulate(
+    workload: Workload,
+    policy: str = "prefix_affinity",
+    *,
+    replicas: int = 8,
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    profile: str = DEFAULT_PROFILE,
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
+    settings: RoutingSettings | None = None,
+    policy_params: dict[str, Any] | None = None,
+    fleet: Sequence[ReplicaProfile] | None = None,
+    timeline: bool = False,
+) -> dict[str, Any]:
+    """Run one policy over the workload; returns the replay's report keys (with `timeline`,
+    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order).
+
+    `fleet` gives each replica its own profile and slowdown (its length is the replica count);
+    else there are `replicas` replicas of `profile`."""
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    fleet = list(fleet) if fleet else [ReplicaProfile(profile)] * replicas
+    replicas = len(fleet)
+    profs = [r.build() for r in fleet]
+    # The bounds hold for any routing if every replica is as fast as the fastest at each cost.
+    prof = profs[0] if is_uniform(fleet) else fastest(profs)
+    run = run_pool(workload, policy, kv_capacity_tokens=kv_capacity_tokens, profile=prof,
+                   max_output=max_output, engine_block_tokens=engine_block_tokens,
+                   settings=settings, policy_params=policy_params, profiles=profs)
+    reqs = workload.requests
+    n = len(reqs)
+    replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
+    out_tokens, engine_list, router = run.out_tokens, run.engines, run.router
+    routed, prefill_done, inflight_ratios = run.routed, run.prefill_done, run.inflight_ratios
 
     done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
     ttfts = [first_at[r] - reqs[r].timestamp_s for r in done]
@@ -349,8 +423,14 @@ def simulate(
         "ttft_bound_mean_s": round(bounds.cobatch, 4),
         "imbalance": round(max_over_mean(routed, 0.0), 3),
         "prefill_imbalance": round(max_over_mean(prefill_done, 0.0), 3),
+        "prefill_time_imbalance": round(max_over_mean(
+            prefill_seconds(prefill_done, [p.prefill_tokens_per_s for p in profs]), 0.0), 3),
         "peak_inflight_imbalance": round(max(inflight_ratios, default=0.0), 3),
         "prefill_tokens_per_s": round(router.load.steps.rate),
+        "prefill_tokens_per_replica": [round(t) for t in prefill_done],
+        "learned_prefill_tokens_per_s": [round(router.load.steps.replica_rate(name) or 0)
+                                         for name in run.names],
+        "fleet": describe(fleet),
         "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
         "replicas": replicas,
         "workload": workload.name,
@@ -361,6 +441,12 @@ def simulate(
     return report
 
 
+def prefill_seconds(tokens: Sequence[float], rates: Sequence[float]) -> list[float]:
+    """Per replica, its busy prefill time normalised by its speed: the uncached prompt tokens
+    it computed over its profile's prefill rate (tokens/s)."""
+    return [t / r for t, r in zip(tokens, rates, strict=True)]
+
+
 # -- CLI -----------------------------------------------------------------------------------
 
 _COLUMNS = (
@@ -369,6 +455,7 @@ _COLUMNS = (
     ("ttft_p99_s", "p99", "{:.3f}"), ("tpot_p50_s", "TPOT p50", "{:.4f}"),
     ("hit_ratio", "hit", "{:.3f}"), ("ideal_hit_ratio", "ideal", "{:.3f}"),
     ("imbalance", "req imb", "{:.2f}"), ("prefill_imbalance", "prefill imb", "{:.2f}"),
+    ("prefill_time_imbalance", "prefill time imb", "{:.2f}"),
     ("peak_inflight_imbalance", "peak imb", "{:.2f}"), ("requests", "requests", "{}"),
     ("errors", "errors", "{}"), ("duration_s", "duration s", "{:.1f}"),
 )  # fmt: skip
@@ -385,7 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL file or RAGPulse directory")
     src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
-    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--replicas", type=int, default=None, help="default 8, or the --fleet's")
+    ap.add_argument("--fleet", default=None, help=FLEET_HELP)
+    ap.add_argument("--slow", default=None, help=SLOW_HELP)
     ap.add_argument("--policy", default="prefix_affinity", choices=[*ALL_POLICIES, "all"])
     ap.add_argument("--limit", type=int, default=None, help="first N requests")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
@@ -397,8 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = ap.parse_args(argv)
-    if args.replicas < 1:
-        ap.error("--replicas must be at least 1")
+    try:
+        fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
+    except ValueError as exc:
+        ap.error(str(exc))
     params = dict(args.workload_param)
     policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
     try:
@@ -411,14 +502,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     for name in policies:
         t0 = time.perf_counter()
-        report = simulate(workload, name, replicas=args.replicas,
-                          kv_capacity_tokens=args.kv_capacity_tokens, profile=args.profile,
-                          max_output=args.max_output, engine_block_tokens=args.engine_block_tokens,
-                          settings=settings[name])
+        report = simulate(workload, name, kv_capacity_tokens=args.kv_capacity_tokens,
+                          profile=args.profile, max_output=args.max_output,
+                          engine_block_tokens=args.engine_block_tokens,
+                          settings=settings[name], fleet=fleet)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
-    print(f"# {workload.name}: {len(workload.requests)} requests, {args.replicas} replicas, "
-          f"profile {args.profile}, KV {args.kv_capacity_tokens} tokens/replica, "
+    print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "
+          f"({describe(fleet)}), KV {args.kv_capacity_tokens} tokens/replica, "
           f"speedup {args.speedup}")
     print(format_table(reports))
     if args.json:

@@ -108,7 +108,8 @@ class LoadTracker:
     def _credit(self, replica: str, now: float, pending: float) -> None:
         """A step of `replica` ended at `now` with prefill pending: credit what it computed."""
         steps = self.steps
-        last, rate = steps.last_end(replica), steps.rate
+        # The replica's own learned rate when it has one (replicas may differ in speed).
+        last, rate = steps.last_end(replica), steps.replica_rate(replica) or steps.rate
         if last is None or rate <= 0.0:
             return
         decode = steps.decode_s(self.inflight.get(replica, 0)) or 0.0
@@ -137,4 +138,5 @@ class LoadTracker:
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
             prefill_left_tokens=left,
+            speed=self.steps.speed(replica),
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 SAME_STEP_S = 0.002
 """Chunks from one replica closer than this (or than SAME_STEP_FRACTION of a typical step,
 if less) share a step: one step's chunks reach the gateway within a fraction of a millisecond
@@ -22,6 +24,13 @@ DECODE_ONLY_FACTOR = 1.5
 """A step up to this many times a decode-only step's expected length carried no prefill."""
 RATE_MIN_SAMPLES = 20
 """Prefill-rate samples needed before the learned rate is used."""
+SPEED_MIN_SAMPLES = 10
+"""A replica's own prefill-rate samples needed before its speed departs from 1."""
+SPEED_TOLERANCE = 1.5
+"""A replica's speed departs from 1 only when its learned rate is more than this factor off
+the median replica's. Equal replicas' own rates scatter by about 15% each way (on long
+prompts prefilled in chunks the gateway cannot see); priced as speeds, that scatter raised the
+prefill imbalance of an equal fleet from 1.02 to 1.15 on Mooncake at 8 replicas."""
 
 
 class StepTimer:
@@ -32,7 +41,9 @@ class StepTimer:
     began. A request sent there now waits for that step to end before the engine even looks at
     it; `LoadTracker.view` prices that wait in prompt tokens at the engines' prefill rate.
     Step times are per replica; the rate and the decode-step fit are pool-wide, since a pool's
-    replicas run one model.
+    replicas run one model. Each replica also learns its own rate, from its own steps less its
+    own decode-only steps, so that `speed` can tell a replica on a slower accelerator (or a
+    throttled or shared one) from the rest of its pool.
 
     The rate is configured, or learned: a step that ends with the first token of requests
     dispatched no earlier than during the step before, or that follows a decode-only step,
@@ -43,7 +54,7 @@ class StepTimer:
     """
 
     __slots__ = ("_decode", "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens",
-                 "_replicas")
+                 "_reference", "_replicas")
 
     def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
         self._fixed_rate = prefill_tokens_per_s
@@ -52,6 +63,7 @@ class StepTimer:
         self._rate_seconds = 0.0
         self._rate_samples = 0
         self._decode = DecodeFit()
+        self._reference: float | None = None  # the median replica's own rate, when fresh
 
     @property
     def rate(self) -> float:
@@ -61,6 +73,33 @@ class StepTimer:
         if self._rate_samples < RATE_MIN_SAMPLES or self._rate_seconds <= 0.0:
             return 0.0
         return self._rate_tokens / self._rate_seconds
+
+    def replica_rate(self, replica: str) -> float | None:
+        """The replica's own learned prefill rate (None until it has SPEED_MIN_SAMPLES)."""
+        r = self._replicas.get(replica)
+        if r is None or r.rate_samples < SPEED_MIN_SAMPLES or r.rate_seconds <= 0.0:
+            return None
+        return r.rate_tokens / r.rate_seconds
+
+    def replica_rates(self) -> dict[str, float]:
+        """Every replica's own learned prefill rate, where known."""
+        return {name: rate for name in self._replicas
+                if (rate := self.replica_rate(name)) is not None}
+
+    def speed(self, replica: str) -> float:
+        """The replica's own learned prefill rate over the median replica's, or 1.0: until
+        it is known, within SPEED_TOLERANCE of the median, and always with a configured rate.
+        A policy divides the prefill queued there by it."""
+        if self._fixed_rate is not None:
+            return 1.0
+        own = self.replica_rate(replica)
+        if own is None:
+            return 1.0
+        reference = self._reference
+        if reference is None:
+            reference = self._reference = statistics.median(self.replica_rates().values())
+        speed = own / reference
+        return speed if not 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE else 1.0
 
     @property
     def learning(self) -> bool:
@@ -144,12 +183,26 @@ class StepTimer:
                 return
             if not r.awaiting or decode is None or length <= DECODE_ONLY_FACTOR * decode:
                 self._decode.observe(batch, length)
+            # The replica's own fit, judged by itself: on a pool of mixed speeds a slow
+            # replica's decode steps are all longer than the pool's line.
+            own = r.decode.predict(batch)
+            if not r.awaiting or own is None or length <= DECODE_ONLY_FACTOR * own:
+                r.decode.observe(batch, length)
             return
-        if r.prefill is not None and decode is not None and length > decode:
+        if r.prefill is None:
+            return
+        if decode is not None and length > decode:
             keep = 1.0 - 1.0 / DECAY_SAMPLES
             self._rate_tokens = self._rate_tokens * keep + r.prefill
             self._rate_seconds = self._rate_seconds * keep + (length - decode)
             self._rate_samples += 1
+        own = r.decode.predict(batch)
+        if own is not None and length > own:
+            keep = 1.0 - 1.0 / DECAY_SAMPLES
+            r.rate_tokens = r.rate_tokens * keep + r.prefill
+            r.rate_seconds = r.rate_seconds * keep + (length - own)
+            r.rate_samples += 1
+            self._reference = None
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
                      dispatched_at: float) -> None:
@@ -179,6 +232,7 @@ class StepTimer:
     def forget(self, replica: str) -> None:
         """The replica left the pool: its step timing goes."""
         self._replicas.pop(replica, None)
+        self._reference = None
 
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
@@ -209,8 +263,9 @@ def _typical_same_step_s(r: _Steps) -> float:
 class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
-    __slots__ = ("awaiting", "batch", "firsts", "last_end", "prefill", "prev_decode_only",
-                 "prev_end", "prev_start", "step_s")
+    __slots__ = ("awaiting", "batch", "decode", "firsts", "last_end", "prefill",
+                 "prev_decode_only", "prev_end", "prev_start", "rate_samples", "rate_seconds",
+                 "rate_tokens", "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
@@ -224,6 +279,11 @@ class _Steps:
         # finished a prefill that cannot be attributed to it alone.
         self.prefill: float | None = 0.0
         self.prev_decode_only = False  # the step before the last: decode alone?
+        # Its own prefill rate and decode-only fit, decayed as the pool's are.
+        self.rate_tokens = 0.0
+        self.rate_seconds = 0.0
+        self.rate_samples = 0
+        self.decode = DecodeFit()
 
 
 class DecodeFit:

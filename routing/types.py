@@ -38,6 +38,9 @@ class ReplicaView:
     prefill_left_tokens: float | None = None
     """Pending prefill less what the engine has presumably computed of it since it was sent
     (the learned prefill rate times the time it had it): None when not estimated."""
+    speed: float = 1.0
+    """Its learned prefill rate over its pool's (1.0 until learned): 0.33 for a replica three
+    times slower than the pool's mean, so a policy can price its prefill by its own rate."""
 
 
 @dataclass(slots=True)

@@ -248,3 +248,60 @@ def test_admin_page_in_a_browser(browser, tmp_path: Path) -> None:
     finally:
         gw.stop()
         sims.stop()
+
+
+_EXPERIMENTS = """
+return [...document.querySelectorAll("section.experiment")].map(s => ({
+  name: s.dataset.experiment,
+  title: s.querySelector('[data-field="title"]').textContent.replace(/\\s+/g, " ").trim(),
+  rows: [...s.querySelectorAll("tr[data-row]")].map(r => [r.dataset.row,
+    r.querySelector('[data-arm="baseline"]').textContent,
+    r.querySelector('[data-arm="candidate"]').textContent]),
+  lines: [...s.querySelectorAll("p[data-field]")].map(p => p.textContent.trim()),
+  conditions: [...s.querySelectorAll(".conditions li")].map(li => li.textContent)}));"""
+
+
+def test_experiments_section_matches_the_cli(browser) -> None:
+    """The page against a stub admin API serving fixed experiments (tests/admin_stub.py): each
+    figure written as `prefix-gateway experiments` writes it, hidden without experiments."""
+    from gateway.experiments.report import arm_rows, render_report
+    from tests.admin_stub import STATIC, admin_stub, experiments_body
+
+    body = experiments_body()
+    routes = {"/admin": (STATIC / "stats.html").read_text(),
+              "/admin/stats": {"pools": [], "admission": {"classes": [], "pools": []}},
+              "/admin/history": {"samples": [], "recent_decisions": [], "interval_s": 1,
+                                 "window_s": 60, "max_samples": 120},
+              "/admin/experiments": body}
+    with admin_stub(routes) as url:
+        browser.get(url + "/admin?refresh=0.5")
+        shown = poll(lambda: browser.execute_script(_EXPERIMENTS), 20)
+        # Every line the page shows is a line of the CLI's report, and the arms' rows are
+        # its rows (the CLI pads its columns; the page puts them in cells).
+        report = render_report(body).splitlines()
+        assert [s["name"] for s in shown] == ["llama-vs-qwen", "trtllm-split"]
+        for exp, page in zip(body["experiments"], shown, strict=True):
+            assert page["title"] in report
+            assert [tuple(r) for r in page["rows"]] == arm_rows(exp)
+            for line in page["lines"] + page["conditions"]:
+                assert any(r.strip() == line for r in report), line
+        mirror = shown[0]
+        assert len(mirror["lines"]) == 4 and len(mirror["conditions"]) == 4
+        assert ("engine prefix-cache hit", "41.2%", "55.0%") in map(tuple, mirror["rows"])  # a tie
+        # Exact ties, positive and negative, round as Python's format does.
+        ties = [0.00125, -0.00125, 0.0625, -0.0625, 0.6125, 0.9725, 2.5e-4, -0.0, 1.0]
+        assert browser.execute_script(
+            "return arguments[0].map(v => [X.ms(v), X.sms(v), X.pct(v), X.num(v, 0), "
+            "X.num(v, 2), X.num(1000 * v)])", ties) == [
+                [f"{1000 * v:.1f} ms", f"{1000 * v:+.1f} ms", f"{100 * v:.1f}%", f"{v:.0f}",
+                 f"{v:.2f}", f"{1000 * v:.1f}"] for v in ties]
+        # No experiments, then a gateway without the endpoint: the section is gone.
+        routes["/admin/experiments"] = {"experiments": []}
+        poll(lambda: not browser.execute_script(
+            "return document.getElementById('experiments').innerHTML"), 20)
+        routes["/admin/experiments"] = body
+        poll(lambda: browser.execute_script(_EXPERIMENTS), 20)
+        del routes["/admin/experiments"]
+        poll(lambda: not browser.execute_script(
+            "return document.getElementById('experiments').innerHTML"), 20)
+        assert not browser.find_elements("id", "error")

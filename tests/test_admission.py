@@ -25,8 +25,8 @@ from tests.test_gateway import asgi_request, sample, sse_event
 
 
 class Held:
-    """A replica whose requests stream a first event, then wait for `finish()`; `down` makes
-    its health check fail."""
+    """A replica whose requests stream a first event, then wait for `finish()` (a
+    non-streaming request's whole answer waits for it); `down` makes its health check fail."""
 
     def __init__(self) -> None:
         self.prompts: list[str] = []
@@ -41,10 +41,24 @@ class Held:
             return HandlerResponse(503 if self.down else 200)
         if not target.startswith("/v1/"):
             return HandlerResponse(404)
-        self.prompts.append(orjson.loads(body)["prompt"])
+        payload = orjson.loads(body)
+        self.prompts.append(payload["prompt"])
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.waiting.append(done)
+        if not payload.get("stream"):
+            return HandlerResponse(200, self._whole(done), {"content-type": "application/json"})
         return HandlerResponse(200, self._stream(done), {"content-type": "text/event-stream"})
+
+    async def _whole(self, done: asyncio.Future[bool]):
+        try:
+            if not await done:
+                raise ConnectionResetError("the replica broke the answer")
+            yield orjson.dumps({"id": "cmpl-held", "object": "text_completion", "model": "tiny",
+                                "choices": [{"index": 0, "text": "first last",
+                                             "finish_reason": "stop"}]})
+        finally:
+            if done in self.waiting:
+                self.waiting.remove(done)
 
     async def _stream(self, done: asyncio.Future[bool]):
         try:

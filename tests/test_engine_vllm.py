@@ -173,7 +173,10 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
                 assert time.monotonic() < deadline, f"not learned after {sent} requests: {pool}"
                 prompt = f"Request {sent}. " + " ".join(
                     f"fresh clause {sent}.{j} never seen before." for j in range(60))
-                c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+                # Streamed: a request's first token is what ends its prefill step (a
+                # non-streaming one is passed through whole by default).
+                list(c.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                          stream=True))
                 sent += 1
     finally:
         gw.stop()

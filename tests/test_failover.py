@@ -88,10 +88,16 @@ async def _until_faulty_tried(gw: Harness, faulty: str, ask) -> list[Any]:
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-@pytest.mark.parametrize("stream", [True, False])
-async def test_a_replica_failing_before_any_content_costs_no_request(fault: str,
-                                                                     stream: bool) -> None:
+@pytest.mark.parametrize(("stream", "internal_stream"), [(True, False), (False, False),
+                                                         (False, True)],
+                         ids=["stream", "passthrough", "assembled"])
+async def test_a_replica_failing_before_any_content_costs_no_request(
+        fault: str, stream: bool, internal_stream: bool) -> None:
+    # Passed through (the default), a non-streaming answer is checked whole before it goes
+    # out: a 200 that is not a JSON object (an SSE stream here, an HTML page) is tried
+    # elsewhere, and first_byte_s bounds the whole answer.
     cfg = config(timeouts={"first_byte_s": 0.5})
+    cfg["server"] = {"non_streaming_ttft": internal_stream}
     async with gateway(cfg, handlers={"rt-0": FAULTS[fault]}) as gw:
         c = gw.openai()
 

@@ -68,12 +68,15 @@ def test_stopped_replica_process_is_survived(small_fleet) -> None:
         assert raw.headers["x-gateway-replica"] == "rt-1"
 
 
-def test_keepalive_connection_closed_by_the_replica_is_retried_on_a_fresh_one(tmp_path) -> None:
+@pytest.mark.parametrize("client", ["httptools", "aiohttp"])
+def test_keepalive_connection_closed_by_the_replica_is_retried_on_a_fresh_one(
+        tmp_path, client: str) -> None:
     # Engines close idle keep-alive connections (vLLM and trtllm-serve after 5 s); a request
     # that reuses one at that moment must not fail, nor take a working replica out.
     sims = start_sims(["vllm"], tmp_path)
     port = processes.free_ports(1)[0]
-    config = one_pool_config(sims.urls, port, health={"interval_s": 30, "metrics_interval_s": 30})
+    config = one_pool_config(sims.urls, port, health={"interval_s": 30, "metrics_interval_s": 30},
+                             server={"upstream_client": client})
     gw = start_gateway(config, tmp_path)
     try:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)

@@ -57,8 +57,11 @@ def test_admin_stats_and_cli_show_counts(fleet) -> None:
     c = client(gw.url)
     served = set()
     for u in range(4):
+        # Streamed: TTFT and engine steps are timed from streams (a non-streaming request is
+        # passed through whole by default).
         raw = c.completions.with_raw_response.create(model="tiny", prompt=tenant_prompt(7) + str(u),
-                                                     max_tokens=6)
+                                                     max_tokens=6, stream=True)
+        assert list(raw.parse())
         served.add(raw.headers["x-gateway-replica"])
     stats = httpx.get(gw.url + "/admin/stats").json()
     pools = {p["name"]: p for p in stats["pools"]}

@@ -446,3 +446,67 @@ def test_prefix_affinity_prices_the_drained_queue_when_asked(drain: bool) -> Non
     picks = {router.route(router.request_from_text(chat_text(system_prompt(500 + i), "q")),
                           views).replica for i in range(10)}
     assert picks == ({"r0"} if drain else {"r1"})
+
+
+def feed_replica(load: LoadTracker, name: str, cycles: int, decode_s: float,
+                 prefill_s: float, tokens: float = 1000.0, start: float = 0.0) -> None:
+    """A fake clock for one replica: a long stream keeps it decoding in steps of `decode_s`;
+    every third step also prefills a request of `tokens` sent while the step before ran, and
+    lasts `decode_s + prefill_s`."""
+    load.dispatched(name, 0.0)
+    t = start
+    load.chunk(name, t)
+    for _ in range(cycles):
+        t += decode_s
+        load.chunk(name, t)
+        sent_at = t + 0.001
+        load.dispatched(name, tokens)
+        t += decode_s
+        load.chunk(name, t)
+        t += decode_s + prefill_s
+        load.chunk(name, t)
+        load.first_token(name, tokens, t, dispatched_at=sent_at)
+
+
+def test_each_replica_learns_its_own_prefill_rate_and_speed() -> None:
+    # r0 and r1 decode in 50 ms and prefill 1,000 tokens in 50 ms more (20,000 tokens/s); r2
+    # is three times slower at everything, r3 1.2 times. The pool's decode line mixes them, so
+    # each replica must judge its steps by its own decode steps.
+    load = LoadTracker()
+    feed_replica(load, "r0", 40, 0.05, 0.05)
+    feed_replica(load, "r1", 40, 0.05, 0.05)
+    feed_replica(load, "r2", 40, 0.15, 0.15)
+    feed_replica(load, "r3", 40, 0.06, 0.06)
+    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
+    assert load.steps.replica_rate("r2") == pytest.approx(20_000.0 / 3, rel=0.02)
+    assert load.steps.replica_rate("r3") == pytest.approx(20_000.0 / 1.2, rel=0.02)
+    assert load.steps.replica_rates().keys() == {"r0", "r1", "r2", "r3"}
+    # Against the median replica's rate; a difference within SPEED_TOLERANCE is scatter.
+    assert load.view("r2").speed == pytest.approx(1 / 3 * 20_000 / (
+        (load.steps.replica_rate("r0") + load.steps.replica_rate("r3")) / 2), rel=0.03)
+    assert load.view("r0").speed == load.view("r1").speed == load.view("r3").speed == 1.0
+
+
+def test_speed_is_one_until_learned_or_with_a_configured_rate() -> None:
+    load = LoadTracker()
+    feed_replica(load, "r0", 3, 0.05, 0.05)  # too few samples yet
+    assert load.steps.replica_rate("r0") is None
+    assert load.view("r0").speed == 1.0
+    fixed = LoadTracker(prefill_tokens_per_s=9000.0)
+    feed_replica(fixed, "r0", 40, 0.05, 0.05)
+    feed_replica(fixed, "r1", 40, 0.15, 0.15)
+    assert fixed.view("r1").speed == fixed.view("r0").speed == 1.0
+
+
+def test_a_slow_replica_is_charged_its_queue_at_its_own_speed() -> None:
+    # The same queue on every replica; r3 is three times slower, so its queue lasts three
+    # times longer there: cold prompts avoid it, and with the setting off they do not.
+    def spread(replica_speed: bool) -> Counter[str]:
+        router = make_router(load_factor=100.0, replica_speed=replica_speed, balance_horizon=0)
+        views = [ReplicaView(name=n, inflight=4, pending_prefill_tokens=4000.0,
+                             speed=1 / 3 if n == "r3" else 1.0) for n in REPLICAS]
+        return Counter(router.route(router.request_from_text(
+            chat_text(system_prompt(500 + i), "q")), views).replica for i in range(60))
+
+    assert spread(True)["r3"] == 0
+    assert spread(False)["r3"] > 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -408,3 +409,33 @@ def test_cli_builds_consecutive_replicas() -> None:
     assert [s.name for s in specs] == ["sim-0", "sim-1", "sim-2"]
     assert all(s.kind == "trtllm" and s.models == ("m",) and s.time_scale == 0.5 for s in specs)
     assert specs[0].effective_block_tokens == 32
+
+
+async def test_replicas_of_a_fleet_spec_run_their_own_profiles(
+    http: aiohttp.ClientSession,
+) -> None:
+    # One process, two replicas: the second runs the same profile three times slower. The
+    # engine times its steps on the model clock, so the same lone prompt's TTFT, as each
+    # replica's own metrics report it, is exactly three times longer there, however late a
+    # busy machine runs the event loop.
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    specs = specs_from_args(parser.parse_args(
+        ["--port", "0", "--fleet", "vllm-cpu-tiny", "--slow", "1:3", "--count", "1"]))
+    assert [(s.profile, s.slowdown) for s in specs] == [("vllm-cpu-tiny", 3.0)]
+    specs = specs_from_args(parser.parse_args(
+        ["--port", "9200", "--fleet", "vllm-cpu-tiny:1,vllm-cpu-tiny/3:1", "--time-scale",
+         "0.05"]))
+    assert [s.slowdown for s in specs] == [1.0, 3.0]
+    cluster = await start_sims([replace(s, port=0) for s in specs])
+    try:
+        ttft = []
+        for name in ("sim-0", "sim-1"):
+            resp = await _client(cluster, name).completions.create(
+                model="tiny", prompt=LONG_PREFIX, max_tokens=1)
+            assert resp.usage is not None and resp.usage.prompt_tokens > 1000
+            m = await _metrics(http, _url(cluster, name, "/metrics"))
+            ttft.append(m["vllm:time_to_first_token_seconds_sum"]["engine=0"])
+        assert ttft[1] == pytest.approx(3 * ttft[0], rel=1e-6)
+    finally:
+        await cluster.stop()

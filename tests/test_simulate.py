@@ -225,3 +225,46 @@ def test_shadow_oracle_logs_both_choices_for_every_request() -> None:
                for r in rows)
     assert all(r["routed_est_s"] >= r["oracle_est_s"] for r in rows)  # the oracle's own best
     assert "agree" in summary(rows)
+
+
+def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
+    from backends.sim.fleet_spec import fleet_profiles
+    from gateway.config import RoutingSettings
+    from loadtests.traces import TraceRequest
+
+    # 600 distinct 2k-token prompts, 5 a second, over 4 replicas of which the last is three
+    # times slower: priced at its own speed, its queue keeps it to less than a third of a fast
+    # replica's prefill tokens, and the busy prefill time stays even.
+    reqs = [TraceRequest(0.2 * i, 2048, 32, tuple(range(10 * i + 1, 10 * i + 5)), "")
+            for i in range(600)]
+    fleet = fleet_profiles(4, "qwen-32b-h200", slow="1:3")
+    runs = {on: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
+                         settings=RoutingSettings(replica_speed=on)) for on in (True, False)}
+    for on, report in runs.items():
+        *fast, slow = report["prefill_tokens_per_replica"]
+        assert report["requests"] == 600
+        assert report["fleet"] == "3 x qwen-32b-h200 + 1 x qwen-32b-h200/3"
+        assert report["learned_prefill_tokens_per_s"][3] < 0.4 * min(
+            report["learned_prefill_tokens_per_s"][:3])
+        share = slow / (sum(fast) / 3)
+        if on:
+            assert share < 0.3
+            assert report["prefill_time_imbalance"] <= 1.1
+        else:
+            assert share > 0.35  # the pool's rate alone lets it take more
+
+
+def test_prefill_time_imbalance_is_tokens_over_each_replica_rate() -> None:
+    from loadtests.simulate import prefill_seconds
+
+    assert prefill_seconds([9000.0, 3000.0], [9000.0, 3000.0]) == [1.0, 1.0]
+
+
+def test_cli_takes_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--workload", "tenants", "--workload-param", "n_requests=40",
+                 "--fleet", "llama-8b-h200:1,qwen-32b-h200:1", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "2 replicas (1 x llama-8b-h200 + 1 x qwen-32b-h200)" in out
+    assert '"prefill_time_imbalance"' in out
+    with pytest.raises(SystemExit):
+        main(["--workload", "tenants", "--replicas", "3", "--fleet", "llama-8b-h200:2"])

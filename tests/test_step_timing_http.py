@@ -26,7 +26,10 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
                 # Until the rate is learned (20 samples, about one per request), or 80 sent.
                 for i in range(80):
                     prompt = f"request {i}: " + "fresh words that nobody cached before " * 100
-                    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+                    # Streamed: its first token ends its prefill step (a non-streaming
+                    # request is passed through whole by default).
+                    list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                                   stream=True))
                     if i >= 19:
                         stats = httpx.get(gw.url + "/admin/stats").json()
                         if stats["pools"][0]["prefill_tokens_per_s"]:
@@ -43,3 +46,7 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
     # must never land far above the engine's, the side where the step wait outweighs hits.
     assert rate < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, rate
     assert pool["replicas"][0]["engine_step_s"] > 0
+    # The replica's own rate, learned from the same steps; alone, it is the median replica.
+    own = pool["replicas"][0]["prefill_tokens_per_s"]
+    assert own and own < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, own
+    assert pool["replicas"][0]["speed"] == 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, fleet_profiles
 from backends.sim.profiles import PROFILES
 from backends.sim.replica import SimReplicaSpec
 from backends.sim.server import serve_sims
@@ -16,7 +17,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, required=True, help="port of the first replica (0: a free port)"
     )
     parser.add_argument(
-        "--count", type=int, default=1, help="replicas to run, on consecutive ports (default 1)"
+        "--count", type=int, default=None,
+        help="replicas to run, on consecutive ports (default 1, or the --fleet's count)",
     )
     parser.add_argument("--kind", choices=("vllm", "trtllm"), default="vllm")
     parser.add_argument(
@@ -26,6 +28,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="served model name; repeat for aliases (default: tiny)",
     )
     parser.add_argument("--profile", choices=sorted(PROFILES), default="vllm-cpu-tiny")
+    parser.add_argument("--fleet", default=None, help=FLEET_HELP.replace("replica count",
+                                                                         "--count"))
+    parser.add_argument("--slow", default=None, help=SLOW_HELP)
     parser.add_argument(
         "--time-scale",
         type=float,
@@ -53,17 +58,22 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(args: argparse.Namespace) -> list[SimReplicaSpec]:
-    if args.count < 1:
-        raise SystemExit("--count must be at least 1")
-    if args.port == 0 and args.count > 1:
+    try:
+        fleet = fleet_profiles(args.count if args.count is not None or args.fleet else 1,
+                               args.profile, args.fleet, args.slow)
+    except ValueError as exc:
+        raise SystemExit(str(exc).replace("--replicas", "--count")) from None
+    count = len(fleet)
+    if args.port == 0 and count > 1:
         raise SystemExit("--count > 1 needs an explicit --port (replicas use consecutive ports)")
     return [
         SimReplicaSpec(
-            name=f"{args.name}-{i}" if args.count > 1 else args.name,
+            name=f"{args.name}-{i}" if count > 1 else args.name,
             port=args.port + i if args.port else 0,
             kind=args.kind,
             models=tuple(args.models or ("tiny",)),
-            profile=args.profile,
+            profile=fleet[i].profile,
+            slowdown=fleet[i].slowdown,
             time_scale=args.time_scale,
             kv_capacity_tokens=args.kv_capacity_tokens,
             block_tokens=args.block_tokens,
@@ -71,7 +81,7 @@ def specs_from_args(args: argparse.Namespace) -> list[SimReplicaSpec]:
             trtllm_perf_metrics=args.trtllm_perf_metrics,
             trtllm_legacy_metrics=args.trtllm_legacy_metrics,
         )
-        for i in range(args.count)
+        for i in range(count)
     ]
 
 

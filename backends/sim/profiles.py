@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,24 @@ class LatencyProfile:
     max_running: int
     max_batched_tokens: int
 
+    def slowed(self, factor: float) -> LatencyProfile:
+        """This profile on an engine `factor` times slower at everything (a throttled GPU,
+        one shared with another job); named `NAME/F`. A factor of 1 returns this profile."""
+        if factor <= 0:
+            raise ValueError("a slowdown factor must be positive")
+        if factor == 1.0:
+            return self
+        return replace(
+            self,
+            name=f"{self.name}/{factor:g}",
+            prefill_tokens_per_s=self.prefill_tokens_per_s / factor,
+            attention_s_per_token2=self.attention_s_per_token2 * factor,
+            cached_token_s=self.cached_token_s * factor,
+            step_overhead_s=self.step_overhead_s * factor,
+            decode_base_s=self.decode_base_s * factor,
+            decode_per_seq_s=self.decode_per_seq_s * factor,
+        )
+
     def prefill_chunk_s(self, tokens: int, context: int) -> float:
         """Compute cost of `tokens` uncached prompt tokens after `context` earlier tokens."""
         return tokens / self.prefill_tokens_per_s + self.attention_s_per_token2 * tokens * (
@@ -48,6 +67,22 @@ class LatencyProfile:
             done += k
             if done >= prompt_tokens:
                 return t
+
+
+def fastest(profiles: Sequence[LatencyProfile]) -> LatencyProfile:
+    """A profile at least as fast as each of `profiles` at every cost (each cost's least, the
+    largest of their step budgets): lower bounds computed on it hold for a mixed fleet."""
+    return LatencyProfile(
+        name="fastest(" + ",".join(p.name for p in profiles) + ")",
+        prefill_tokens_per_s=max(p.prefill_tokens_per_s for p in profiles),
+        attention_s_per_token2=min(p.attention_s_per_token2 for p in profiles),
+        cached_token_s=min(p.cached_token_s for p in profiles),
+        step_overhead_s=min(p.step_overhead_s for p in profiles),
+        decode_base_s=min(p.decode_base_s for p in profiles),
+        decode_per_seq_s=min(p.decode_per_seq_s for p in profiles),
+        max_running=max(p.max_running for p in profiles),
+        max_batched_tokens=max(p.max_batched_tokens for p in profiles),
+    )
 
 
 PROFILES: dict[str, LatencyProfile] = {

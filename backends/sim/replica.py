@@ -26,6 +26,7 @@ class SimReplicaSpec:
     kind: SimKind = "vllm"
     models: tuple[str, ...] = ("tiny",)
     profile: str = "vllm-cpu-tiny"
+    slowdown: float = 1.0  # the engine runs this many times slower than its profile
     time_scale: float = 1.0
     kv_capacity_tokens: int = 262_144
     block_tokens: int | None = None  # None: the engine kind's default (vLLM 16, trtllm 32)
@@ -39,6 +40,8 @@ class SimReplicaSpec:
             raise ValueError(f"kind must be 'vllm' or 'trtllm', not {self.kind!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if not self.slowdown > 0:
+            raise ValueError(f"slowdown must be positive, not {self.slowdown!r}")
         if not self.models:
             raise ValueError("a replica serves at least one model name")
 
@@ -98,7 +101,7 @@ class SimReplica:
         self.spec = spec
         self.block_tokens = spec.effective_block_tokens
         self.model = EngineModel(
-            PROFILES[spec.profile],
+            PROFILES[spec.profile].slowed(spec.slowdown),
             spec.kv_capacity_tokens,
             self.block_tokens,
             max_running=spec.max_running,

@@ -135,7 +135,7 @@ async def run_sim(replicas: Sequence[SimReplicaSpec], host: str = "127.0.0.1") -
     try:
         for r in cluster.replicas:
             print(
-                f"sim replica {r.spec.name} ({r.spec.kind}, {r.spec.profile}, "
+                f"sim replica {r.spec.name} ({r.spec.kind}, {r.model.profile.name}, "
                 f"models {','.join(r.spec.models)}) on http://{host}:{r.port}",
                 flush=True,
             )

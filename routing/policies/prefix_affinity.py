@@ -9,6 +9,7 @@ from pydantic import Field
 from routing import rendezvous
 from routing.policies.base import Policy, PolicySettings, PrefixLookup, load_bound
 from routing.policies.registry import register
+from routing.speed import SpeedBook
 from routing.types import (
     REASON_AFFINITY,
     REASON_COLD,
@@ -44,6 +45,9 @@ class PrefixAffinitySettings(PolicySettings):
     balance_horizon: int = Field(1000, ge=0, description="decisions over which ties go to the "
                                  "replica with the least recent prefill (0: ties go to the "
                                  "rendezvous owner)")
+    replica_speed: bool = Field(True, description="price each replica's queued and recent "
+                                "prefill at its own learned rate (ReplicaView.speed), so a "
+                                "slower replica gets proportionally less")
 
 
 @register
@@ -95,6 +99,7 @@ class PrefixAffinity(Policy):
         self._recent: dict[str, tuple[float, int]] = {}
         self._decisions = 0
         self.drain_pending = s.drain_pending
+        self._speeds = SpeedBook(s.replica_speed)
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -116,13 +121,16 @@ class PrefixAffinity(Policy):
         # (cost, matched, weight, uncached, eligible, name, step wait)
         rows: list[tuple[float, int, int, float, bool, str, float]] = []
         best_match = 0
+        speed = self._speeds.see
         for r in replicas:
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
             wait = r.step_wait_tokens
-            cost = uncached + w * (self._pending(r) + per_request * r.inflight) + wait
+            # The queue is priced at the replica's own rate: it is the wait there.
+            queue = (self._pending(r) + per_request * r.inflight) / speed(r)
+            cost = uncached + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
@@ -168,6 +176,7 @@ class PrefixAffinity(Policy):
 
     def on_removed(self, replica: str) -> None:
         self._recent.pop(replica, None)
+        self._speeds.forget(replica)
 
     def _pending(self, r: ReplicaView) -> float:
         """The replica's queued prefill: drained at the learned rate when that is on and
@@ -181,5 +190,5 @@ class PrefixAffinity(Policy):
         # really got it; the decision clock only moves in choose(), once per request.
         if self.balance_horizon > 0:
             name = decision.replica
-            self._recent[name] = (self._recent_work(name) + decision.uncached_tokens,
-                                  self._decisions)
+            self._recent[name] = (self._recent_work(name) + self._speeds.time_of(
+                name, decision.uncached_tokens), self._decisions)
