@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from multiprocessing import Pool
 from typing import Any
 
+import yaml
+
 from backends.sim.fleet_spec import ReplicaProfile, describe, fleet_profiles
 from gateway.config import RoutingSettings
 from loadtests import traces
@@ -50,6 +52,7 @@ class Scenario:
     workload: str | None = None
     speedup: float = 1.0
     params: tuple[tuple[str, Any], ...] = ()
+    held_out: bool = False  # never used to choose a setting (docs/routing.md, "Held out")
     fleet: str | None = None  # replicas of mixed speeds (simulate --fleet), or
     slow: str | None = None  # some replicas slower (simulate --slow N:F)
     tag: str = ""  # names the mixed fleet in --only and in the tables ("mixed", "slow")
@@ -117,6 +120,37 @@ def _scenarios() -> list[Scenario]:
                          params=_p(**ctl, rate_per_s=25 * k)),
                 Scenario("control", n, "heavy", False, workload="tenants",
                          params=_p(**ctl, rate_per_s=50 * k))]
+    return out + _long_conversations()
+
+
+def _long_conversations() -> list[Scenario]:
+    """Long multi-turn conversations near saturation, and load that swings.
+
+    Tuning set: `conversation` with seed 5 at 8 replicas (where drain_pending was found and
+    checked). Held out, never used to choose a setting: `conversation` with seed 11, the
+    `stress` shape (Mooncake's conversation trace's published rate and lengths) with seed 7,
+    and `swing`, at 8 and 32 replicas."""
+    conv = {"think_time_s": 240, "turns_mean": 3, "first_tokens_mean": 12000}
+    out = [Scenario("conversation", 8, load, True, workload="conversation",
+                    params=_p(n_sessions=1000, rate_per_s=rate, **conv, seed=5))
+           for load, rate in (("moderate", 5.5), ("near saturation", 6.5))]
+    for n, k in ((8, 1), (32, 4)):
+        out += [Scenario("conversation", n, load, True, workload="conversation",
+                         params=_p(n_sessions=750 * k, rate_per_s=rate * k, **conv, seed=11),
+                         held_out=True)
+                for load, rate in (("moderate", 5.5), ("near saturation", 6.5))]
+        out += [Scenario("stress", n, load, True, workload="stress",
+                         params=_p(n_requests=1500 * k, rate_per_s=rate * k, seed=7),
+                         held_out=True)
+                for load, rate in (("moderate", 2.5), ("near saturation", 3.2))]
+        out += [Scenario("swing", n, "light <-> moderate", True, workload="swing",
+                         params=_p(low_rate_per_s=4 * k, high_rate_per_s=16 * k,
+                                   n_tenants=200 * k, duration_s=960 // (k // 2 or 1)),
+                         held_out=True)]
+    # The heavy half at 24 requests/s is near saturation for cache-aware routing (at 16 it is
+    # not); docs/swing.png plots this cell.
+    out += [Scenario("swing", 8, "light <-> near saturation", True, workload="swing",
+                     params=_p(low_rate_per_s=6, high_rate_per_s=24), held_out=True)]
     return out
 
 
@@ -272,6 +306,45 @@ def ablation(jobs: int) -> int:
     return 0
 
 
+COMPARE_POLICIES = ("least_load", "oracle")
+
+
+def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int) -> int:
+    """prefix_affinity at the defaults and with `before` set, against the oracle and
+    least_load, on each scenario: the before/after ratio table."""
+    frozen = tuple(sorted(before.items()))
+    work: list[Any] = [(sc, p) for sc in chosen for p in ("prefix_affinity", *COMPARE_POLICIES)]
+    work += [(sc, "prefix_affinity", frozen) for sc in chosen]
+    res: dict[tuple[Scenario, str], dict[str, Any]] = {}
+    with Pool(max(1, jobs)) as pool:
+        for job, (sc, policy, report, wall) in zip(work, pool.imap(_run, work), strict=True):
+            label = "before" if len(job) > 2 else policy
+            res[(sc, label)] = report
+            print(f"# {sc.name} {sc.replicas} {sc.load} {label}: TTFT mean "
+                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
+    setting = ", ".join(f"{k}={v}" for k, v in frozen)
+    print(f"prefix_affinity before ({setting}) and after (defaults); "
+          f"`python -m loadtests.scoreboard --compare {' '.join(f'{k}={v}' for k, v in frozen)}`"
+          "\n")
+    print("| set | workload | replicas | load | before s | after s | oracle s | before / oracle "
+          "| after / oracle | after / least_load | after hit | oracle hit | co-batching bound s |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for sc in chosen:
+        b, a = res[(sc, "before")], res[(sc, "prefix_affinity")]
+        o, ll = res[(sc, "oracle")], res[(sc, "least_load")]
+        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.name} | {sc.replicas} | "
+              f"{sc.load} | {b['ttft_mean_s']:.3f} | {a['ttft_mean_s']:.3f} | "
+              f"{o['ttft_mean_s']:.3f} | {_ratio(b['ttft_mean_s'], o['ttft_mean_s'])} | "
+              f"{_ratio(a['ttft_mean_s'], o['ttft_mean_s'])} | "
+              f"{_ratio(a['ttft_mean_s'], ll['ttft_mean_s'])} | {a['hit_ratio']:.3f} | "
+              f"{o['hit_ratio']:.3f} | {o['ttft_bound_mean_s']:.3f} |")
+    print("\nScenario commands:\n")
+    for sc in chosen:
+        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.name} {sc.replicas} {sc.load}: "
+              f"`{sc.command()}`")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
@@ -279,11 +352,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
     ap.add_argument("--ablation", action="store_true",
                     help="prefix_affinity with one default changed at a time")
+    ap.add_argument("--set", dest="which", choices=("tuning", "held-out"), default=None,
+                    help="only the scenarios of the tuning set, or only the held-out ones")
+    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE",
+                    help="prefix_affinity with these settings (before) against its defaults "
+                         "(after), the oracle and least_load")
     args = ap.parse_args(argv)
     if args.ablation:
         return ablation(args.jobs)
     chosen = [sc for sc in SCENARIOS if args.only in sc.key
-              and (not args.replicas or sc.replicas == args.replicas)]
+              and (not args.replicas or sc.replicas == args.replicas)
+              and (args.which is None or sc.held_out == (args.which == "held-out"))]
+    if args.compare:
+        try:
+            before = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.compare)}
+        except ValueError:
+            ap.error("--compare takes KEY=VALUE pairs")
+        return compare(chosen, before, args.jobs)
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
     results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
     t0 = time.perf_counter()

@@ -375,8 +375,10 @@ def simulate(
     settings: RoutingSettings | None = None,
     policy_params: dict[str, Any] | None = None,
     fleet: Sequence[ReplicaProfile] | None = None,
+    timeline: bool = False,
 ) -> dict[str, Any]:
-    """Run one policy over the workload; returns the replay's report keys.
+    """Run one policy over the workload; returns the replay's report keys (with `timeline`,
+    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order).
 
     `fleet` gives each replica its own profile and slowdown (its length is the replica count);
     else there are `replicas` replicas of `profile`."""
@@ -406,7 +408,7 @@ def simulate(
     end = max((finish_at[r] for r in done if not math.isnan(finish_at[r])), default=start)
     bounds = workload.ttft_bounds(prof, engine_block_tokens, replicas, max_output,
                                   kv_capacity_tokens)
-    return {
+    report: dict[str, Any] = {
         "requests": len(done),
         "errors": n - len(done),
         "duration_s": round(end - start, 3),
@@ -433,6 +435,10 @@ def simulate(
         "replicas": replicas,
         "workload": workload.name,
     }
+    if timeline:
+        report["timeline"] = [[reqs[r].timestamp_s, first_at[r] - reqs[r].timestamp_s]
+                              for r in done]
+    return report
 
 
 def prefill_seconds(tokens: Sequence[float], rates: Sequence[float]) -> list[float]:

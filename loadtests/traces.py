@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import inspect
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -422,10 +423,103 @@ def multi_turn_workload(n_sessions: int = 200, turns: int = 6, system_blocks: in
     return out
 
 
+def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
+                          turns_mean: float = 4.0, first_tokens_mean: float = 8000.0,
+                          turn_tokens_mean: float = 1000.0, output_mean: float = 343.0,
+                          think_time_s: float = 60.0, seed: int = 5) -> list[TraceRequest]:
+    """Long multi-turn conversations, Mooncake's conversation trace's shape.
+
+    Sessions start as a Poisson process (`rate_per_s` / `turns_mean` per second); each has a
+    geometric number of turns (mean `turns_mean`). A first prompt is log-normal (sigma 1,
+    mean `first_tokens_mean`); every later turn is the previous prompt, the previous answer
+    and a new log-normal user message (mean `turn_tokens_mean`), after an exponential think
+    time. Outputs are exponential with mean `output_mean`. Prompts are whole 512-token blocks.
+    """
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+
+    def lognormal_blocks(mean: float) -> int:
+        tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
+        return max(1, round(tokens / BLOCK_TOKENS))
+
+    out, start = [], 0.0
+    for s in range(n_sessions):
+        start += rng.expovariate(rate_per_s / turns_mean)
+        blocks: list[int] = []
+        t, answer = start, 0
+        turns = 1
+        while rng.random() > 1.0 / turns_mean:
+            turns += 1
+        for turn in range(turns):
+            mean = first_tokens_mean if turn == 0 else turn_tokens_mean
+            new = -(-answer // BLOCK_TOKENS) + lognormal_blocks(mean)
+            blocks += [next(ids) for _ in range(new)]
+            answer = max(1, round(rng.expovariate(1.0 / output_mean)))
+            out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, answer, tuple(blocks),
+                                    f"c{s}"))
+            t += rng.expovariate(1.0 / think_time_s)
+    out.sort(key=lambda r: r.timestamp_s)
+    return out
+
+
+def stress_workload(n_requests: int = 1500, rate_per_s: float = 3.34,
+                    input_mean: float = 12035.0, output_mean: float = 343.0, reuse: float = 0.5,
+                    seed: int = 1) -> list[TraceRequest]:
+    """`loadtests.experiments.stress_trace`'s shapes as a workload (its defaults: Mooncake's
+    conversation trace's published rate and mean lengths)."""
+    from loadtests.experiments.stress_trace import stress_trace  # it builds on this module
+
+    return [TraceRequest(row["timestamp"] / 1000.0, row["input_length"], row["output_length"],
+                         tuple(row["hash_ids"]))
+            for row in stress_trace(n_requests, rate_per_s, input_mean, output_mean, reuse,
+                                    seed=seed)]
+
+
+def swing_rate(t: float, low_rate_per_s: float, high_rate_per_s: float,
+               period_s: float) -> float:
+    """The swing workload's arrival rate at time `t`: light for the first half of every
+    period, heavy for the second."""
+    return low_rate_per_s if t % period_s < period_s / 2 else high_rate_per_s
+
+
+def swing_workload(low_rate_per_s: float = 4.0, high_rate_per_s: float = 16.0,
+                   period_s: float = 240.0, duration_s: float = 960.0, n_tenants: int = 200,
+                   system_blocks: int = 12, query_blocks: int = 2, output_tokens: int = 100,
+                   seed: int = 9) -> list[TraceRequest]:
+    """Load that swings: tenants-shaped requests whose Poisson arrival rate switches between
+    `low_rate_per_s` and `high_rate_per_s` every `period_s` / 2 seconds (`swing_rate`)."""
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+    contexts = [[next(ids) for _ in range(system_blocks)] for _ in range(n_tenants)]
+    half = period_s / 2
+    out, t = [], 0.0
+    while True:
+        rate = swing_rate(t, low_rate_per_s, high_rate_per_s, period_s)
+        step = rng.expovariate(rate)
+        boundary = (t // half + 1) * half
+        if t + step >= boundary:
+            # Piecewise-constant rate: a Poisson process restarts at each switch (memoryless).
+            t = boundary
+            if t >= duration_s:
+                break
+            continue
+        t += step
+        if t >= duration_s:
+            break
+        tenant = rng.randrange(n_tenants)
+        blocks = (*contexts[tenant], *(next(ids) for _ in range(query_blocks)))
+        out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output_tokens, blocks,
+                                f"t{tenant}"))
+    return out
+
+
 SYNTHETIC = {
     "tenants": tenants_workload,
     "hot_prompt": hot_prompt_workload,
     "multi_turn": multi_turn_workload,
+    "conversation": conversation_workload,
+    "stress": stress_workload,
+    "swing": swing_workload,
 }
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
+from contextlib import suppress
 
 from routing.steps import StepTimer
 from routing.types import ReplicaView
+
+HEAD_CREDIT_MAX = 0.9
+"""At most this share of the oldest pending request's prefill is presumed done before its
+first token arrives."""
 
 
 class LoadTracker:
@@ -17,12 +23,17 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("inflight", "pending_prefill", "remote", "steps")
+    __slots__ = ("_drain", "_order", "inflight", "pending_prefill", "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s)
+        self._drain: dict[str, float] = {}
+        """Replica -> tokens of its oldest pending prefill that its engine has presumably
+        computed: see `prefill_left`."""
+        self._order: dict[str, deque[float]] = {}
+        """Replica -> uncached tokens of its requests awaiting a first token, oldest first."""
         self.remote: dict[str, tuple[int, float]] = {}
         """Replica -> (in flight, pending prefill tokens) that other gateways sharing this
         one's routing state report having put there; added to this gateway's own counts in
@@ -34,11 +45,15 @@ class LoadTracker:
                        for r, (n, p) in loads.items() if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float) -> None:
+        self._order.setdefault(replica, deque()).append(uncached_tokens)
         self.inflight[replica] = self.inflight.get(replica, 0) + 1
         self.pending_prefill[replica] = self.pending_prefill.get(replica, 0.0) + uncached_tokens
 
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
+        pending = self.pending_prefill.get(replica, 0.0)
+        if pending > 0.0:
+            self._credit(replica, now, pending)
         self.steps.chunk(replica, now, self.inflight.get(replica, 0),
                          self.pending_prefill.get(replica, 0.0) > 0.0)
 
@@ -47,6 +62,14 @@ class LoadTracker:
         """The replica finished this request's prefill: its prefill is no longer pending."""
         left = self.pending_prefill.get(replica, 0.0) - uncached_tokens
         self.pending_prefill[replica] = left if left > 1e-6 else 0.0
+        order = self._order.get(replica)
+        if order:
+            if order[0] == uncached_tokens:
+                order.popleft()
+                self._drain[replica] = 0.0  # the next oldest one is now being prefilled
+            else:
+                with suppress(ValueError):  # not sent through dispatched(): nothing to drop
+                    order.remove(uncached_tokens)
         if now is not None and dispatched_at is not None:
             self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at)
 
@@ -61,7 +84,40 @@ class LoadTracker:
         """The replica left: its counters and step timing go."""
         self.inflight.pop(replica, None)
         self.pending_prefill.pop(replica, None)
+        self._drain.pop(replica, None)
+        self._order.pop(replica, None)
         self.steps.forget(replica)
+
+    def prefill_left(self, replica: str) -> float:
+        """Pending prefill tokens less what the engine has presumably computed of them.
+
+        Pending prefill only falls when a request's first token arrives, but a long prompt is
+        prefilled in chunks over many steps: counted whole until its end, it makes a replica
+        that is nearly through it look as busy as one that has not begun. Each step the
+        gateway times there while prefill is pending computed about (its length less a
+        decode-only step's) times the learned prefill rate, which errs low. The credit goes
+        to the oldest request awaiting its first token only (an engine prefills in arrival
+        order), and never all of it: if the router believed it cached more than the engine
+        still held, its prefill is longer than believed, and that must not be taken off the
+        requests queued behind it.
+        """
+        pending = self.pending_prefill.get(replica, 0.0)
+        done = self._drain.get(replica, 0.0)
+        return pending - done if done < pending else 0.0
+
+    def _credit(self, replica: str, now: float, pending: float) -> None:
+        """A step of `replica` ended at `now` with prefill pending: credit what it computed."""
+        steps = self.steps
+        # The replica's own learned rate when it has one (replicas may differ in speed).
+        last, rate = steps.last_end(replica), steps.replica_rate(replica) or steps.rate
+        if last is None or rate <= 0.0:
+            return
+        decode = steps.decode_s(self.inflight.get(replica, 0)) or 0.0
+        extra = now - last - decode
+        order = self._order.get(replica)
+        if extra > 0.0 and order:
+            head = HEAD_CREDIT_MAX * order[0]
+            self._drain[replica] = min(head, self._drain.get(replica, 0.0) + rate * extra)
 
     def view(self, replica: str, now: float | None = None) -> ReplicaView:
         wait = 0.0
@@ -69,14 +125,18 @@ class LoadTracker:
             wait = self.steps.rate * self.steps.remaining(replica, now)
         inflight = self.inflight.get(replica, 0)
         pending = self.pending_prefill.get(replica, 0.0)
+        left = self.prefill_left(replica) if self.steps.rate > 0.0 else None
         if self.remote:
             n, p = self.remote.get(replica, (0, 0.0))
             inflight += n
             pending += p
+            if left is not None:
+                left += p
         return ReplicaView(
             name=replica,
             inflight=inflight,
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
+            prefill_left_tokens=left,
             speed=self.steps.speed(replica),
         )

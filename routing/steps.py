@@ -111,6 +111,11 @@ class StepTimer:
         r = self._replicas.get(replica)
         return r.step_s if r is not None else None
 
+    def last_end(self, replica: str) -> float | None:
+        """When the replica's last timed step ended (None if none is in progress)."""
+        r = self._replicas.get(replica)
+        return r.last_end if r is not None else None
+
     def step_times(self) -> dict[str, float]:
         """Every timed replica's typical step length."""
         return {name: r.step_s for name, r in self._replicas.items() if r.step_s is not None}

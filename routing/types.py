@@ -35,6 +35,9 @@ class ReplicaView:
     step_wait_tokens: float = 0.0
     """Time until the engine step in flight there ends (a request sent now waits for it),
     estimated from its streamed chunks and priced in prompt tokens at the prefill rate."""
+    prefill_left_tokens: float | None = None
+    """Pending prefill less what the engine has presumably computed of it since it was sent
+    (the learned prefill rate times the time it had it): None when not estimated."""
     speed: float = 1.0
     """Its learned prefill rate over its pool's (1.0 until learned): 0.33 for a replica three
     times slower than the pool's mean, so a policy can price its prefill by its own rate."""

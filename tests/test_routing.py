@@ -403,6 +403,53 @@ def test_remote_load_pushes_new_work_elsewhere() -> None:
         assert router.route(req, views).replica != home
 
 
+def test_pending_prefill_drains_while_the_oldest_request_prefills() -> None:
+    # A 40k-token prompt, then a 2k one, on a replica decoding other streams: each 0.5 s step
+    # (decode-only steps there take 40 ms) computes about 0.46 s x 10k tokens of the oldest.
+    load = LoadTracker(prefill_tokens_per_s=10_000.0)
+    load.steps._decode.observe(1, 0.040)
+    load.dispatched("r0", 40_000.0)
+    load.dispatched("r0", 2_000.0)
+    load.chunk("r0", 0.0)
+    assert load.view("r0").prefill_left_tokens == 42_000.0
+    load.chunk("r0", 0.5)
+    assert load.view("r0").prefill_left_tokens == pytest.approx(42_000.0 - 4_600.0)
+    for i in range(2, 20):
+        load.chunk("r0", 0.5 * i)
+    # Never all of it before its first token: the router may have believed it cached more
+    # than the engine held.
+    assert load.view("r0").prefill_left_tokens == pytest.approx(2_000.0 + 4_000.0)
+    assert load.view("r0").pending_prefill_tokens == 42_000.0  # the raw count is untouched
+    load.first_token("r0", 40_000.0)
+    assert load.view("r0").prefill_left_tokens == 2_000.0  # the next one starts from scratch
+
+
+def test_no_drain_without_a_rate_or_while_only_decoding() -> None:
+    load = LoadTracker()  # no rate learned yet: nothing is presumed done
+    load.dispatched("r0", 8_000.0)
+    for i in range(10):
+        load.chunk("r0", 0.5 * i)
+    assert load.view("r0").prefill_left_tokens is None
+    fixed = LoadTracker(prefill_tokens_per_s=10_000.0)
+    fixed.steps._decode.observe(2, 0.040)
+    fixed.dispatched("r0", 8_000.0)
+    fixed.dispatched("r0", 8_000.0)
+    for i in range(10):  # decode-only steps: the engine is not prefilling (e.g. KV full)
+        fixed.chunk("r0", 0.040 * i)
+    assert fixed.view("r0").prefill_left_tokens == 16_000.0
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_prefix_affinity_prices_the_drained_queue_when_asked(drain: bool) -> None:
+    router = make_router(load_factor=100.0, drain_pending=drain)
+    # r0 has more prefill pending, but most of it is a long prompt nearly done.
+    views = [ReplicaView(name="r0", pending_prefill_tokens=30_000, prefill_left_tokens=1_000),
+             ReplicaView(name="r1", pending_prefill_tokens=8_000, prefill_left_tokens=8_000)]
+    picks = {router.route(router.request_from_text(chat_text(system_prompt(500 + i), "q")),
+                          views).replica for i in range(10)}
+    assert picks == ({"r0"} if drain else {"r1"})
+
+
 def feed_replica(load: LoadTracker, name: str, cycles: int, decode_s: float,
                  prefill_s: float, tokens: float = 1000.0, start: float = 0.0) -> None:
     """A fake clock for one replica: a long stream keeps it decoding in steps of `decode_s`;

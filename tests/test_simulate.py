@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.config import RoutingSettings
 from loadtests.reference_policies import SGLangCacheAware
 from loadtests.simulate import REPORT_KEYS, Workload, load_workload, main, simulate
 from loadtests.traces import tenants_workload
@@ -197,6 +198,33 @@ def test_settings_are_key_values_with_json_values() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--workload", "hot_prompt", "--limit", "5", "--set", "load_weight"])
     assert exc.value.code == 2  # argparse: "expected KEY=VALUE, got 'load_weight'"
+
+
+def test_held_out_scenarios_share_no_workload_seed_with_the_tuning_set() -> None:
+    from loadtests.scoreboard import SCENARIOS
+
+    def seeded(sc) -> tuple:
+        return (sc.trace or sc.workload, dict(sc.params).get("seed"))
+
+    held = [sc for sc in SCENARIOS if sc.held_out]
+    assert {sc.replicas for sc in held} == {8, 32}
+    assert {sc.workload for sc in held} == {"conversation", "stress", "swing"}
+    tuning = {seeded(sc) for sc in SCENARIOS if not sc.held_out}
+    assert not {seeded(sc) for sc in held} & tuning
+
+
+def test_shadow_oracle_logs_both_choices_for_every_request() -> None:
+    from loadtests.experiments.shadow_oracle import run, summary
+
+    workload = load_workload(workload="tenants", params={
+        "n_tenants": 6, "n_requests": 80, "rate_per_s": 20, "system_blocks": 4})
+    report, rows = run(workload, "prefix_affinity", 3, RoutingSettings())
+    assert len(rows) == report["requests"] == 80
+    assert {r["kind"] for r in rows} <= {"agree", "equal", "hit lost", "phantom hit", "queue"}
+    assert all(r["routed"] in {"r0", "r1", "r2"} and r["oracle"] in {"r0", "r1", "r2"}
+               for r in rows)
+    assert all(r["routed_est_s"] >= r["oracle_est_s"] for r in rows)  # the oracle's own best
+    assert "agree" in summary(rows)
 
 
 def test_a_slow_replica_gets_proportionally_less_prefill() -> None:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from backends.sim.prompt import estimate_tokens
 from loadtests.experiments.stress_trace import main as write_stress_trace
+from loadtests.experiments.stress_trace import stress_trace
 from loadtests.traces import (
     BLOCK_TOKENS,
     TraceRequest,
     agreement,
+    conversation_workload,
     home_agreement,
     ideal_hit_ratio,
     load_trace,
     prompt_text,
+    stress_workload,
+    swing_rate,
+    swing_workload,
     warm_misses,
 )
 
@@ -167,3 +173,43 @@ def test_agreement_skips_failed_requests_and_compares_whole_prefixes() -> None:
     assert agreement(blocks_trace((1,), (2,)), ["r0", "r1"]) == (None, 0)
     with pytest.raises(ValueError, match="2 requests but 1 replicas"):
         agreement(blocks_trace((1,), (2,)), ["r0"])
+
+
+@pytest.mark.parametrize(("t", "rate"), [(0.0, 4.0), (119.9, 4.0), (120.0, 16.0), (239.9, 16.0),
+                                         (240.0, 4.0), (400.0, 16.0)])
+def test_swing_rate_switches_every_half_period(t: float, rate: float) -> None:
+    assert swing_rate(t, 4.0, 16.0, 240.0) == rate
+
+
+def test_swing_workload_follows_its_rate_schedule() -> None:
+    reqs = swing_workload(low_rate_per_s=2.0, high_rate_per_s=20.0, period_s=100.0,
+                          duration_s=400.0, n_tenants=10)
+    assert all(0.0 <= r.timestamp_s < 400.0 for r in reqs)
+    assert all(a.timestamp_s <= b.timestamp_s for a, b in itertools.pairwise(reqs))
+    per_half = Counter(int(r.timestamp_s // 50) for r in reqs)
+    # Poisson counts in each 50 s half: about 100 light, 1,000 heavy (seeded, so exact here).
+    for half in range(8):
+        expected = 50 * (2.0 if half % 2 == 0 else 20.0)
+        assert per_half[half] == pytest.approx(expected, rel=0.3)
+
+
+def test_conversation_turns_extend_the_previous_turn() -> None:
+    reqs = conversation_workload(n_sessions=30, turns_mean=3.0)
+    by_session: dict[str, list] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    assert len(by_session) == 30
+    assert any(len(turns) > 1 for turns in by_session.values())
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.timestamp_s)
+        for a, b in itertools.pairwise(turns):
+            assert b.hash_ids[: len(a.hash_ids)] == a.hash_ids
+            assert len(b.hash_ids) > len(a.hash_ids)
+    assert all(r.input_tokens == len(r.hash_ids) * BLOCK_TOKENS for r in reqs)
+
+
+def test_stress_workload_is_the_stress_trace() -> None:
+    reqs = stress_workload(n_requests=50, rate_per_s=2.0, input_mean=3000.0, seed=4)
+    rows = stress_trace(50, 2.0, 3000.0, 343.0, 0.5, seed=4)
+    assert [(r.timestamp_s, r.input_tokens, r.hash_ids) for r in reqs] == [
+        (row["timestamp"] / 1000, row["input_length"], tuple(row["hash_ids"])) for row in rows]

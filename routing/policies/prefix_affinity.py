@@ -32,6 +32,10 @@ class PrefixAffinitySettings(PolicySettings):
         "linearly to load_weight as more replicas do (None: always load_weight)")
     inflight_tokens: float = Field(256.0, ge=0.0, description="queue tokens counted per "
                                    "request in flight on a replica")
+    drain_pending: bool = Field(True, description="count a replica's pending prefill less "
+                                "what its engine has presumably computed of it since it was "
+                                "sent (at the learned prefill rate), not whole until the "
+                                "first token")
     slack_fraction: float = Field(0.25, ge=0.0, description="replicas within this fraction of "
                                   "the prompt (plus slack_tokens) of the cheapest stay "
                                   "candidates for the longest match")
@@ -94,6 +98,7 @@ class PrefixAffinity(Policy):
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
         self._decisions = 0
+        self.drain_pending = s.drain_pending
         self._speeds = SpeedBook(s.replica_speed)
 
     def _recent_work(self, name: str) -> float:
@@ -124,7 +129,7 @@ class PrefixAffinity(Policy):
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
             wait = r.step_wait_tokens
             # The queue is priced at the replica's own rate: it is the wait there.
-            queue = (r.pending_prefill_tokens + per_request * r.inflight) / speed(r)
+            queue = (self._pending(r) + per_request * r.inflight) / speed(r)
             cost = uncached + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
@@ -181,6 +186,13 @@ class PrefixAffinity(Policy):
             self._decisions += 1
             self._recent[replica] = (self._recent_work(replica) + self._speeds.time_of(
                 replica, uncached_tokens), self._decisions)
+
+    def _pending(self, r: ReplicaView) -> float:
+        """The replica's queued prefill: drained at the learned rate when that is on and
+        known (a long prompt mostly computed no longer counts whole)."""
+        if self.drain_pending and r.prefill_left_tokens is not None:
+            return r.prefill_left_tokens
+        return r.pending_prefill_tokens
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         # Here rather than in choose(), so that a retry's prefill counts on the replica that
