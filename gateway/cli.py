@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, RedisConfig, load_config
 from gateway.defaults import BATCH_REPLICAS, REALTIME_REPLICAS
@@ -434,30 +435,29 @@ def read_admin(command: str, args: argparse.Namespace, path: str) -> dict | None
     return None
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    from gateway.stats import render_table
-
-    data = read_admin("stats", args, "/admin/stats")
+def print_admin(command: str, args: argparse.Namespace, path: str,
+                render: Callable[[Any], str]) -> int:
+    """An admin GET printed as JSON (--json) or as `render` writes it; 1 if it failed."""
+    data = read_admin(command, args, path)
     if data is None:
         return 1
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        print(render_table(data), end="")
+        print(render(data), end="")
     return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from gateway.stats import render_table
+
+    return print_admin("stats", args, "/admin/stats", render_table)
 
 
 def cmd_experiments(args: argparse.Namespace) -> int:
     from gateway.experiments.report import render_report
 
-    data = read_admin("experiments", args, "/admin/experiments")
-    if data is None:
-        return 1
-    if args.json:
-        print(json.dumps(data, indent=2))
-    else:
-        print(render_report(data), end="")
-    return 0
+    return print_admin("experiments", args, "/admin/experiments", render_report)
 
 
 def cmd_openapi(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import inspect
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -218,6 +218,24 @@ def ideal_hit_ratio(requests: Iterable[TraceRequest]) -> float:
     return hit / total if total else 0.0
 
 
+def prefix_keys(hash_ids: Sequence[int]) -> list[int]:
+    """One key per leading run of block ids: key n stands for the first n + 1 blocks."""
+    keys: list[int] = []
+    key = 0
+    for h in hash_ids:
+        key = hash((key, h))
+        keys.append(key)
+    return keys
+
+
+def known_prefix(keys: Sequence[int], table: Mapping[int, object]) -> int:
+    """How many leading `keys` are in `table` (every prefix of a known prefix is known)."""
+    n = 0
+    while n < len(keys) and keys[n] in table:
+        n += 1
+    return n
+
+
 def agreement(requests: Sequence[TraceRequest],
               replicas: Sequence[str | None]) -> tuple[float | None, int]:
     """How often a warm request went to its prefix's home replica: (agreement, warm requests).
@@ -240,17 +258,9 @@ def agreement(requests: Sequence[TraceRequest],
     for req, served in zip(requests, replicas, strict=True):
         if served is None:
             continue
-        keys: list[int] = []
-        key, home, matching = 0, None, True
-        for h in req.hash_ids:
-            key = hash((key, h))
-            keys.append(key)
-            if matching:
-                found = home_of.get(key)
-                if found is None:
-                    matching = False
-                else:
-                    home = found
+        keys = prefix_keys(req.hash_ids)
+        shared = known_prefix(keys, home_of)
+        home = home_of[keys[shared - 1]] if shared else None
         if home is not None:
             warm += 1
             agreed += served == home
@@ -286,14 +296,8 @@ def home_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | No
     for i, (req, served) in enumerate(zip(requests, replicas, strict=True)):
         if served is None:
             continue
-        keys: list[int] = []
-        key = 0
-        for h in req.hash_ids:
-            key = hash((key, h))
-            keys.append(key)
-        shared = 0  # every prefix of a prefix with homes has homes: walk to the first without
-        while shared < len(keys) and keys[shared] in homes:
-            shared += 1
+        keys = prefix_keys(req.hash_ids)
+        shared = known_prefix(keys, homes)
         longest = homes[keys[shared - 1]] if shared else None
         joins_all = longest is None
         if longest is not None:
@@ -328,17 +332,10 @@ def warm_misses(requests: Sequence[TraceRequest], replicas: Sequence[str | None]
     for req, served, reason in zip(requests, replicas, reasons, strict=True):
         if served is None:
             continue
-        keys: list[int] = []
-        key, home, last_key, matching = 0, None, None, True
-        for h in req.hash_ids:
-            key = hash((key, h))
-            keys.append(key)
-            if matching:
-                found = home_of.get(key)
-                if found is None:
-                    matching = False
-                else:
-                    home, last_key = found, key
+        keys = prefix_keys(req.hash_ids)
+        shared = known_prefix(keys, home_of)
+        last_key = keys[shared - 1] if shared else None
+        home = home_of[last_key] if last_key is not None else None
         if home is not None and served != home and last_key is not None:
             held = served in holders.get(last_key, ())
             name = f"{reason or 'unknown'}+{'held' if held else 'new'}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,25 @@ def shared_config(redis: dict[str, Any], **shared: Any) -> dict[str, Any]:
     config["redis"] = {**redis, "shared_routing": {"flush_interval_s": 0.01,
                                                    "load_interval_s": 0.02, **shared}}
     return config
+
+
+@asynccontextmanager
+async def two_states(redis_server: RedisServer) -> AsyncIterator[tuple[Any, Any]]:
+    """Two gateways' states sharing routing through `redis_server`, with no background task:
+    each test drives their writers and readers by hand."""
+    from backends.upstream.inprocess import InProcessUpstream
+    from gateway.config import parse_config
+    from gateway.state import GatewayState
+
+    config = parse_config(shared_config(redis_server.config()))
+    a, b = (GatewayState(config, upstream=InProcessUpstream()) for _ in range(2))
+    try:
+        assert a.shared is not None and b.shared is not None
+        yield a, b
+    finally:
+        for state in (a, b):
+            await state.shared.stop()
+            await state.redis.aclose()
 
 
 def chat(system: str, user: str = "hello") -> dict[str, Any]:
@@ -279,16 +299,9 @@ async def test_a_gateway_that_missed_entries_asks_and_the_others_publish_again(
     comes back to a stream trimmed past the last entry it read."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from backends.upstream.inprocess import InProcessUpstream
-    from gateway.config import parse_config
-    from gateway.state import GatewayState
-
     caplog.set_level(logging.INFO, logger=SHARED)
-    config = parse_config(shared_config(redis_server.config()))
-    a, b = (GatewayState(config, upstream=InProcessUpstream()) for _ in range(2))
-    try:
+    async with two_states(redis_server) as (a, b):
         sa, sb = a.shared, b.shared
-        assert sa is not None and sb is not None
         stream = sa.streams["realtime"]
         router_a = a.pool_by_name["realtime"].router
         router_b = b.pool_by_name["realtime"].router
@@ -322,10 +335,6 @@ async def test_a_gateway_that_missed_entries_asks_and_the_others_publish_again(
                    for m in logged)
         # Published again is not a decision's lag: the histogram did not count it.
         assert sum(b.metrics.shared_lag.rows[("realtime",)][:-1]) == count_before
-    finally:
-        for state in (a, b):
-            await state.shared.stop()
-            await state.redis.aclose()
 
 
 async def test_an_idle_gateway_writes_nothing_and_a_stopping_one_drops_its_load(
@@ -333,15 +342,8 @@ async def test_an_idle_gateway_writes_nothing_and_a_stopping_one_drops_its_load(
     """Before, every flush interval sent a round trip (write, read and the others' load),
     traffic or none: 12-25 ms of CPU a second per gateway. Now the writer writes only what
     changed, and the reader waits on the stream."""
-    from backends.upstream.inprocess import InProcessUpstream
-    from gateway.config import parse_config
-    from gateway.state import GatewayState
-
-    config = parse_config(shared_config(redis_server.config()))
-    a, b = (GatewayState(config, upstream=InProcessUpstream()) for _ in range(2))
-    try:
+    async with two_states(redis_server) as (a, b):
         sa, sb = a.shared, b.shared
-        assert sa is not None and sb is not None
         stream = sa.streams["realtime"]
         await sa.write(True)  # its first look at its load: nothing in flight, said once
         written = await a.redis.xlen(stream)
@@ -360,7 +362,3 @@ async def test_an_idle_gateway_writes_nothing_and_a_stopping_one_drops_its_load(
         await sa.stop()  # says it has nothing in flight any more
         await sb.read(None)
         assert router_b.load.remote == {}
-    finally:
-        for state in (a, b):
-            await state.shared.stop()
-            await state.redis.aclose()
