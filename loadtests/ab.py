@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import random
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from backends.sim.profiles import PROFILES, LatencyProfile
 from gateway.experiments import ExperimentRecord, Sample, paired_difference, render_report
@@ -60,11 +60,6 @@ def _sample(run: PoolRun, workload: Workload, rid: int, prompt_tokens: int) -> S
                   finish - arrived, prompt_tokens, out, None, run.inflight_at_arrival[rid])
 
 
-def hit_ratio(run: PoolRun) -> float | None:
-    query = sum(e.cache.query_tokens for e in run.engines)
-    return sum(e.cache.hit_tokens for e in run.engines) / query if query else None
-
-
 def run_experiment(workload: Workload, *, mode: str = "mirror", fraction: float = 1.0,
                    name: str = "ab", baseline: LatencyProfile, candidate: LatencyProfile,
                    replicas: int = 4, seed: int = 0, resamples: int = 2000,
@@ -88,7 +83,7 @@ def run_experiment(workload: Workload, *, mode: str = "mirror", fraction: float 
     record = ExperimentRecord(name, mode, "default", baseline.name, candidate.name, fraction,
                               max_samples=max(1, n))
     _, prompt_tokens = workload.engine_prompts(DEFAULT_ENGINE_BLOCK_TOKENS)
-    runs = {arm: run_pool(workload, "prefix_affinity", replicas=replicas, profile=profiles[arm],
+    runs = {arm: run_pool(workload, "prefix_affinity", profiles=[profiles[arm]] * replicas,
                           kv_capacity_tokens=kv_capacity_tokens, only=sent[arm])
             for arm in ARMS}
     samples: dict[str, dict[int, Sample]] = {arm: {} for arm in ARMS}
@@ -99,7 +94,7 @@ def run_experiment(workload: Workload, *, mode: str = "mirror", fraction: float 
     if mode == "mirror":
         record.count("sent", len(sent["candidate"]))
         record.count("failed", sum(s.error is not None for s in samples["candidate"].values()))
-    engines = {arm: {"prefix_cache_hit_ratio": hit_ratio(runs[arm]), "kv_usage": None,
+    engines = {arm: {"prefix_cache_hit_ratio": runs[arm].hit_ratio, "kv_usage": None,
                      "queue_length": None} for arm in ARMS}
     pairs = []
     if mode == "mirror":
@@ -209,8 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(pairs) < args.checkpoints[-1]:
                 print(f"  (only {len(pairs)} pairs: larger checkpoints skipped)")
     if args.json:
-        print(json.dumps(body, default=lambda x: None if isinstance(x, float)
-                         and math.isnan(x) else x))
+        print(orjson.dumps(body).decode())  # a NaN is written as null, not NaN
     return 0
 
 

@@ -42,7 +42,7 @@ from loadtests.overhead import cpu_seconds as process_cpu_seconds
 from loadtests.report import emit_json, markdown_table
 from loadtests.settings import add_routing_settings, add_workload_param, key_value
 from loadtests.sse import data_events
-from loadtests.stats import max_over_mean, percentile
+from loadtests.stats import max_over_mean, percentile, prefill_seconds
 from loadtests.traces import (
     BLOCK_TOKENS,
     SYNTHETIC,
@@ -282,7 +282,7 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
         "imbalance": max_over_mean(per_req),
         "prefill_imbalance": max_over_mean(per_prefill),
         "prefill_time_imbalance": (
-            max_over_mean([t / r for t, r in zip(per_prefill, prefill_rates, strict=True)])
+            max_over_mean(prefill_seconds(per_prefill, prefill_rates))
             if prefill_rates and per_prefill else None),
         "peak_inflight_imbalance": max(data.inflight_ratios) if data.inflight_ratios else None,
         "latency_p50_s": percentile([r.latency_s for r in ok], 0.5),

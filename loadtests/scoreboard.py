@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from multiprocessing import Pool
 from typing import Any
 
-import yaml
-
 from backends.sim.fleet_spec import ReplicaProfile, describe, fleet_profiles
 from gateway.config import RoutingSettings
 from loadtests import traces
 from loadtests.fleet import REPO
+from loadtests.settings import key_value
 from loadtests.simulate import (
     ALL_POLICIES,
     DEFAULT_KV_CAPACITY_TOKENS,
@@ -320,7 +319,7 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int) -> in
         for job, (sc, policy, report, wall) in zip(work, pool.imap(_run, work), strict=True):
             label = "before" if len(job) > 2 else policy
             res[(sc, label)] = report
-            print(f"# {sc.name} {sc.replicas} {sc.load} {label}: TTFT mean "
+            print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
                   f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
     setting = ", ".join(f"{k}={v}" for k, v in frozen)
     print(f"prefix_affinity before ({setting}) and after (defaults); "
@@ -332,7 +331,7 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int) -> in
     for sc in chosen:
         b, a = res[(sc, "before")], res[(sc, "prefix_affinity")]
         o, ll = res[(sc, "oracle")], res[(sc, "least_load")]
-        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.name} | {sc.replicas} | "
+        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.title} | {sc.replicas} | "
               f"{sc.load} | {b['ttft_mean_s']:.3f} | {a['ttft_mean_s']:.3f} | "
               f"{o['ttft_mean_s']:.3f} | {_ratio(b['ttft_mean_s'], o['ttft_mean_s'])} | "
               f"{_ratio(a['ttft_mean_s'], o['ttft_mean_s'])} | "
@@ -340,7 +339,7 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int) -> in
               f"{o['hit_ratio']:.3f} | {o['ttft_bound_mean_s']:.3f} |")
     print("\nScenario commands:\n")
     for sc in chosen:
-        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.name} {sc.replicas} {sc.load}: "
+        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
               f"`{sc.command()}`")
     return 0
 
@@ -354,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="prefix_affinity with one default changed at a time")
     ap.add_argument("--set", dest="which", choices=("tuning", "held-out"), default=None,
                     help="only the scenarios of the tuning set, or only the held-out ones")
-    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE",
+    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE", type=key_value,
                     help="prefix_affinity with these settings (before) against its defaults "
                          "(after), the oracle and least_load")
     args = ap.parse_args(argv)
@@ -364,11 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               and (not args.replicas or sc.replicas == args.replicas)
               and (args.which is None or sc.held_out == (args.which == "held-out"))]
     if args.compare:
-        try:
-            before = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.compare)}
-        except ValueError:
-            ap.error("--compare takes KEY=VALUE pairs")
-        return compare(chosen, before, args.jobs)
+        return compare(chosen, dict(args.compare), args.jobs)
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
     results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from gateway.config import RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
 from loadtests.report import text_table
 from loadtests.settings import add_routing_settings, add_workload_param
-from loadtests.stats import max_over_mean, percentile
+from loadtests.stats import max_over_mean, percentile, prefill_seconds
 from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
@@ -169,6 +169,11 @@ def load_workload(trace: str | None = None, workload: str | None = None, *,
     return Workload(name, load_requests(trace, workload, limit, speedup, params))
 
 
+PolicyFactory = Callable[[str, RoutingSettings, dict[str, EngineModel], dict[str, Any] | None],
+                         Policy]
+"""Builds a run's policy from its name, settings, engines and overrides (`make_policy`)."""
+
+
 def make_policy(name: str, settings: RoutingSettings, engines: dict[str, EngineModel],
                 overrides: dict[str, Any] | None = None) -> Policy:
     """The policy `name` as the gateway builds it from `settings` (a reference policy takes
@@ -222,34 +227,37 @@ class PoolRun:
     routed: list[int]
     inflight_ratios: list[float]
 
+    @property
+    def hit_ratio(self) -> float | None:
+        """Prompt tokens the engines found cached over those they looked up (None: none)."""
+        query = sum(e.cache.query_tokens for e in self.engines)
+        return sum(e.cache.hit_tokens for e in self.engines) / query if query else None
+
 
 def run_pool(
     workload: Workload,
     policy: str = "prefix_affinity",
     *,
-    replicas: int = 8,
+    profiles: Sequence[LatencyProfile],
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
-    profile: LatencyProfile,
     max_output: int = DEFAULT_MAX_OUTPUT,
     engine_block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
     settings: RoutingSettings | None = None,
     policy_params: dict[str, Any] | None = None,
     only: Sequence[int] | None = None,
-    profiles: Sequence[LatencyProfile] | None = None,
+    policy_factory: PolicyFactory = make_policy,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
-    simulated replicas as the gateway does; per request, what happened.
-
-    `profiles` gives each replica its own profile (its length is the replica count); else
-    there are `replicas` replicas of `profile`."""
+    simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
+    happened."""
     settings = settings or RoutingSettings()
-    profs = list(profiles) if profiles else [profile] * replicas
+    profs = list(profiles)
     replicas = len(profs)
     names = [f"r{i}" for i in range(replicas)]
     engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens)
                for n, p in zip(names, profs, strict=True)}
     engine_list = [engines[n] for n in names]
-    pol = make_policy(policy, settings, engines, policy_params)
+    pol = policy_factory(policy, settings, engines, policy_params)
     router = Router(names, pol, block_chars=settings.block_chars,
                     chars_per_token=settings.chars_per_token,
                     index_capacity_blocks=settings.index_capacity_blocks,
@@ -376,6 +384,7 @@ def simulate(
     policy_params: dict[str, Any] | None = None,
     fleet: Sequence[ReplicaProfile] | None = None,
     timeline: bool = False,
+    policy_factory: PolicyFactory = make_policy,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order).
@@ -389,21 +398,21 @@ def simulate(
     profs = [r.build() for r in fleet]
     # The bounds hold for any routing if every replica is as fast as the fastest at each cost.
     prof = profs[0] if is_uniform(fleet) else fastest(profs)
-    run = run_pool(workload, policy, kv_capacity_tokens=kv_capacity_tokens, profile=prof,
+    run = run_pool(workload, policy, profiles=profs, kv_capacity_tokens=kv_capacity_tokens,
                    max_output=max_output, engine_block_tokens=engine_block_tokens,
-                   settings=settings, policy_params=policy_params, profiles=profs)
+                   settings=settings, policy_params=policy_params,
+                   policy_factory=policy_factory)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
-    out_tokens, engine_list, router = run.out_tokens, run.engines, run.router
+    out_tokens, router = run.out_tokens, run.router
     routed, prefill_done, inflight_ratios = run.routed, run.prefill_done, run.inflight_ratios
 
     done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
     ttfts = [first_at[r] - reqs[r].timestamp_s for r in done]
     tpots = [(finish_at[r] - first_at[r]) / (out_tokens[r] - 1)
              for r in done if out_tokens[r] > 1 and not math.isnan(finish_at[r])]
-    hit = sum(e.cache.hit_tokens for e in engine_list)
-    query = sum(e.cache.query_tokens for e in engine_list)
+    hit = run.hit_ratio
     start = reqs[0].timestamp_s if reqs else 0.0
     end = max((finish_at[r] for r in done if not math.isnan(finish_at[r])), default=start)
     bounds = workload.ttft_bounds(prof, engine_block_tokens, replicas, max_output,
@@ -417,7 +426,7 @@ def simulate(
         "ttft_p90_s": round(percentile(ttfts, 0.9, 0.0), 4),
         "ttft_p99_s": round(percentile(ttfts, 0.99, 0.0), 4),
         "tpot_p50_s": round(percentile(tpots, 0.5, 0.0), 5),
-        "hit_ratio": round(hit / query, 4) if query else 0.0,
+        "hit_ratio": round(hit, 4) if hit is not None else 0.0,
         "ideal_hit_ratio": round(workload.ideal_hit_ratio, 4),
         "ttft_floor_mean_s": round(bounds.floor, 4),
         "ttft_bound_mean_s": round(bounds.cobatch, 4),
@@ -439,12 +448,6 @@ def simulate(
         report["timeline"] = [[reqs[r].timestamp_s, first_at[r] - reqs[r].timestamp_s]
                               for r in done]
     return report
-
-
-def prefill_seconds(tokens: Sequence[float], rates: Sequence[float]) -> list[float]:
-    """Per replica, its busy prefill time normalised by its speed: the uncached prompt tokens
-    it computed over its profile's prefill rate (tokens/s)."""
-    return [t / r for t, r in zip(tokens, rates, strict=True)]
 
 
 # -- CLI -----------------------------------------------------------------------------------

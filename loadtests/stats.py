@@ -43,6 +43,12 @@ def max_over_mean(values: Sequence[float], default: float | None = None) -> floa
     return max(values) / mean if mean > 0 else default
 
 
+def prefill_seconds(tokens: Sequence[float], rates: Sequence[float]) -> list[float]:
+    """Per replica, its busy prefill time normalised by its speed: the uncached prompt tokens
+    it computed over its profile's prefill rate (tokens/s)."""
+    return [t / r for t, r in zip(tokens, rates, strict=True)]
+
+
 def bucket_bound(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
     """The upper bound of the histogram bucket holding quantile `q` (a figure that is at
     most this), from cumulative counts per bound as Prometheus exposes them; None if empty."""

@@ -255,7 +255,7 @@ def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
 
 
 def test_prefill_time_imbalance_is_tokens_over_each_replica_rate() -> None:
-    from loadtests.simulate import prefill_seconds
+    from loadtests.stats import prefill_seconds
 
     assert prefill_seconds([9000.0, 3000.0], [9000.0, 3000.0]) == [1.0, 1.0]
 

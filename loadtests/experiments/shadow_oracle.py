@@ -109,19 +109,15 @@ def run(workload: sim.Workload, policy: str, replicas: int, settings: RoutingSet
         true_queue: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Simulate `policy` with the oracle shadowing it; (report, one row per request)."""
     made: list[Shadow] = []
-    real = sim.make_policy
 
     def shadowed(name: str, s: RoutingSettings, engines: dict[str, EngineModel],
                  overrides: dict[str, Any] | None = None) -> Policy:
-        shadow = Shadow(engines, real(name, s, engines, overrides), true_queue)
+        shadow = Shadow(engines, sim.make_policy(name, s, engines, overrides), true_queue)
         made.append(shadow)
         return shadow
 
-    sim.make_policy = shadowed  # type: ignore[assignment]
-    try:
-        report = sim.simulate(workload, policy, replicas=replicas, settings=settings)
-    finally:
-        sim.make_policy = real  # type: ignore[assignment]
+    report = sim.simulate(workload, policy, replicas=replicas, settings=settings,
+                          policy_factory=shadowed)
     return report, made[0].rows
 
 
