@@ -211,11 +211,11 @@ class SharedRouting:
         wake = self._wake
         while True:
             if not self.queue and self._republish_at is None:
-                # Nothing in flight here, and said so: only a decision (which wakes it) can
-                # change that, so there is nothing to look at until one comes.
-                timeout = None if self._quiet() else max(0.0, next_load - time.monotonic())
+                # Nothing to write until an insert (which wakes it) or the next look at the
+                # load: a request that records no insert (a prompt under one block) changes
+                # the load too. The look is local; only a change is written.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), timeout)
+                    await asyncio.wait_for(wake.wait(), max(0.0, next_load - time.monotonic()))
             wake.clear()
             now = time.monotonic()
             load_due = now >= next_load
@@ -227,11 +227,6 @@ class SharedRouting:
             else:  # an outage, or a bug: retried with a growing backoff
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
-
-    def _quiet(self) -> bool:
-        """This gateway has nothing in flight and the others know it."""
-        return all(self._own_load.get(name) == b"{}" and self._load_of(pool) == b"{}"
-                   for name, pool in self.pools.items())
 
     async def _read_loop(self) -> None:
         """Blocks on the streams until another gateway writes (or `_BLOCK_S` passes, to let

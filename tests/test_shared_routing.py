@@ -154,6 +154,23 @@ async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServe
         assert router_b.load.view("rt-2").pending_prefill_tokens == 0.0
 
 
+async def test_load_booked_after_a_quiet_spell_is_seen_without_any_insert(
+        redis_server: RedisServer) -> None:
+    """A gateway that has said "nothing in flight" still looks at its load: a request that
+    records no prefix insert (a prompt shorter than one block) must not stay unseen."""
+    config = shared_config(redis_server.config())
+    async with gateway(config) as a, gateway(config) as b:
+        state = a.app.state
+        stream = state.shared.streams["realtime"]
+        # Its first look at its load, published: from here it has nothing queued to write.
+        await eventually(lambda: state.redis.xlen(stream))
+        # ...and its writer waits for something to write.
+        await eventually(lambda: not state.shared.queue and state.shared._wake._waiters)
+        router_b = b.app.state.pool_by_name["realtime"].router
+        state.pool_by_name["realtime"].router.load.dispatched("rt-1", 10.0)
+        await eventually(lambda: router_b.load.view("rt-1").inflight == 1)
+
+
 async def test_redis_killed_and_restarted_mid_run(tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=SHARED)
