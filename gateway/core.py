@@ -24,7 +24,7 @@ from gateway.errors import (
     upstream_failed,
 )
 from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
-from gateway.experiments.live import BASELINE, CANDIDATE, LiveExperiment, Trial
+from gateway.experiments.live import BASELINE, CANDIDATE, LiveExperiment, Trial, error_kind
 from gateway.experiments.mirror import Mirror
 from gateway.outcome import Finished, Outcome
 from gateway.parse import cap_tokens
@@ -44,9 +44,6 @@ from routing.types import Decision, RoutingRequest
 log = logging.getLogger("prefix_gateway.core")
 
 _RETRYABLE = frozenset((502, 503, 504))
-_UNROUTED = {"503": "no_replica", "429": "rejected", "499": "cancelled"}
-"""An experiment's error kinds of requests that ended before reaching a replica."""
-
 # W3C trace context goes on as a pair: tracestate means nothing without its traceparent.
 _FORWARD_HEADERS = (b"x-request-id", b"traceparent", b"tracestate", b"openai-organization",
                     b"openai-project")
@@ -349,7 +346,7 @@ class RequestCore:
     def _unrouted(self, call: _Call, status: str) -> None:
         """The request ends with `status` before any replica was chosen."""
         if call.trial is not None:
-            call.trial.failed(_UNROUTED.get(status, "http_4xx"))
+            call.trial.failed("no_replica" if status == "503" else error_kind(status) or "internal")
         self.state.observer.finished(Finished(call.pool.name, "none", call.traffic_class, status,
                                               perf_counter() - call.request.received_at))
 

@@ -6,16 +6,14 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
+from gateway.experiments.report import percentile as gateway_percentile
+
 
 def percentile(values: Iterable[float], q: float, default: float | None = None) -> float | None:
     """The q-quantile (0 <= q <= 1) with linear interpolation between the two nearest ranks
     (numpy's default); `default` when there are no values."""
-    s = sorted(values)
-    if not s:
-        return default
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    value = gateway_percentile(list(values), q)
+    return default if value is None else value
 
 
 def nearest_rank(values: Iterable[float], q: float) -> float:

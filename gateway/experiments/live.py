@@ -102,9 +102,6 @@ class LiveExperiment:
         return {arm: _engine_means(pool) for arm, pool in
                 ((BASELINE, self.baseline), (CANDIDATE, self.candidate))}
 
-    def report(self) -> dict[str, Any]:
-        return self.record.report(engines=self.engines())
-
 
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
@@ -187,6 +184,9 @@ class Experiments:
         self.by_class: dict[str, LiveExperiment] = {}
         self.mirror: Mirror | None = None
         """Sends the copies (set by the request core, which owns the transport)."""
+        self._reporting = asyncio.Lock()
+        self._reported: dict[tuple[int, int, bool, str], dict[str, Any]] = {}
+        """The last report of each record, by what it was computed from."""
         self.apply(config)
 
     def _index(self) -> None:
@@ -250,14 +250,20 @@ class Experiments:
                 self._cut(exp)
         return exp
 
-    def reports(self) -> list[dict[str, Any]]:
-        return [e.report() for e in self.by_name.values()]
-
     async def reports_aside(self) -> list[dict[str, Any]]:
-        """`reports()`, computed in a thread: a bootstrap over many pairs takes up to a second
-        of pure Python, which the event loop must not wait for."""
-        held = [(e.record, e.engines()) for e in self.by_name.values()]
-        # ExperimentRecord.report copies its samples at once (one C call under the GIL), so
-        # requests may keep adding to the records meanwhile.
-        return await asyncio.to_thread(
-            lambda: [rec.report(engines=engines) for rec, engines in held])
+        """Every experiment's report, computed in a thread: a bootstrap over many pairs takes
+        up to half a second of pure Python, which the event loop must not wait for. A record
+        that has not changed since its last report (same samples, switch and engine figures)
+        gives that report again, and callers at once share one computation."""
+        async with self._reporting:
+            held = [(e.record, e.engines()) for e in self.by_name.values()]
+            keys = [(id(rec), rec.version, rec.enabled, repr(engines)) for rec, engines in held]
+            todo = [(i, rec, engines) for i, ((rec, engines), key) in
+                    enumerate(zip(held, keys, strict=True)) if key not in self._reported]
+            # ExperimentRecord.report copies its samples at once (one C call under the GIL),
+            # so requests may keep adding to the records meanwhile.
+            fresh = await asyncio.to_thread(
+                lambda: {i: rec.report(engines=engines) for i, rec, engines in todo})
+            self._reported = {key: fresh[i] if i in fresh else self._reported[key]
+                              for i, key in enumerate(keys)}
+            return [self._reported[key] for key in keys]

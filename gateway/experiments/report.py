@@ -99,21 +99,20 @@ class ExperimentRecord:
         self._samples: dict[str, deque[tuple[Sample, int | None]]] = {
             arm: deque(maxlen=max_samples) for arm in ARMS}
         self._counts: Counter[str] = Counter()
+        self.version = 0
+        """Bumped by every sample and count: an unchanged version, an unchanged report."""
 
     def add(self, arm: str, sample: Sample, pair: int | None = None) -> None:
         """Record one outcome; `pair` is shared by the two samples of one mirrored request."""
         if arm not in self._samples:
             raise ValueError(f"arm must be one of {ARMS}, not {arm!r}")
         self._samples[arm].append((sample, pair))
+        self.version += 1
 
     def count(self, what: str, n: int = 1) -> None:
         """Mirror counters: "sent", "dropped" (candidate saturated), "failed"."""
         self._counts[what] += n
-
-    def reset(self) -> None:
-        for samples in self._samples.values():
-            samples.clear()
-        self._counts.clear()
+        self.version += 1
 
     def report(self, engines: dict[str, dict] | None = None, now: float | None = None,
                resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
