@@ -136,6 +136,11 @@ class HealthSettings(_Strict):
     hit_ratio_window_s: float = Field(60.0, gt=0)
 
 
+
+def _repeated(names: list[str]) -> list[str]:
+    """The names that occur more than once, sorted."""
+    return sorted({n for n in names if names.count(n) > 1})
+
 class ReplicaConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: AnyHttpUrl
@@ -338,7 +343,7 @@ class PoolConfig(_Strict):
         if not self.replicas and self.discovery is None:
             raise ValueError("a pool needs replicas, or discovery to find them")
         names = [r.name for r in self.replicas]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = _repeated(names)
         if dupes:
             raise ValueError(f"replica names must be unique within a pool: {dupes}")
         return self
@@ -767,7 +772,7 @@ class AuthConfig(_Strict):
         for where, keys in (("api_keys", self.api_keys), ("admin_keys", self.admin_keys),
                             ("metrics_keys", self.metrics_keys)):
             names = [k.name for k in keys]
-            dupes = sorted({n for n in names if names.count(n) > 1})
+            dupes = _repeated(names)
             if dupes:
                 raise ValueError(f"auth.{where}: names must be unique: {dupes}")
         digests = [k.digest for k in (*self.api_keys, *self.admin_keys, *self.metrics_keys)]
@@ -842,7 +847,7 @@ class GatewayConfig(_Strict):
         pools = {p.name: p for p in self.pools}
         classes = {c.name: c for c in self.traffic_classes}
         names = [e.name for e in self.experiments]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = _repeated(names)
         if dupes:
             raise ValueError(f"experiments: names must be unique: {dupes}")
         taken: dict[str, str] = {}

@@ -253,14 +253,24 @@ async def test_a_kept_alive_connection_closed_under_a_request_is_dropped() -> No
         assert await resp.read() == b"{}"
 
 
-async def test_a_fresh_connection_closed_before_an_answer_is_a_connect_failure() -> None:
+@pytest.mark.parametrize("answer", [b"", b"SSH-2.0-OpenSSH_9.6\r\n\r\n"],
+                         ids=["closed", "garbage"])
+async def test_a_fresh_connection_that_gives_no_http_answer_is_a_connect_failure(
+        answer: bytes) -> None:
+    """Closed before any answer, or answered with something that is not HTTP (the server
+    keeps that one open: the client must drop it)."""
     async def respond(head: bytes, req: bytes, w: asyncio.StreamWriter, s: Server) -> bool:
-        return False
+        if answer:
+            w.write(answer)
+            await w.drain()
+        return bool(answer)
     async with serving(respond) as (server, upstream):
         with pytest.raises(ConnectFailed) as caught:
             await post(upstream, server)
         assert not isinstance(caught.value, ConnectionDropped)
         assert not caught.value.timed_out
+        if answer:
+            await eventually(lambda: server.closed_by_client.is_set())
 
 
 async def test_a_connection_broken_mid_body_fails_the_read() -> None:
@@ -274,17 +284,6 @@ async def test_a_connection_broken_mid_body_fails_the_read() -> None:
         with pytest.raises(ReadFailed) as caught:
             await resp.read()
         assert not caught.value.timed_out
-
-
-async def test_garbage_instead_of_http_is_a_connect_failure() -> None:
-    async def respond(head: bytes, req: bytes, w: asyncio.StreamWriter, s: Server) -> bool:
-        w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        await w.drain()
-        return True
-    async with serving(respond) as (server, upstream):
-        with pytest.raises(ConnectFailed):
-            await post(upstream, server)
-        await eventually(lambda: server.closed_by_client.is_set())
 
 
 async def test_refused_and_timed_out_connects() -> None:
