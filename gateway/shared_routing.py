@@ -46,6 +46,7 @@ from backends.pool import Pool
 from gateway.config import RedisConfig
 from gateway.observe import Observer
 from gateway.redis_link import UNAVAILABLE, Messages, RedisLink
+from routing.load import sum_loads
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -401,10 +402,7 @@ class SharedRouting:
 
     @staticmethod
     def _load_of(pool: Pool) -> bytes:
-        load = pool.router.load
-        own = {r: [n, round(load.pending_prefill.get(r, 0.0), 1)]
-               for r, n in load.inflight.items() if n > 0}
-        return orjson.dumps(own, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(pool.router.load.own_load(), option=orjson.OPT_SORT_KEYS)
 
     # Reading ------------------------------------------------------------------------------
 
@@ -449,12 +447,8 @@ class SharedRouting:
         return pool_name if load_changed else None
 
     def _apply_loads(self, name: str) -> None:
-        total: dict[str, tuple[int, float]] = {}
-        for _, replicas in self._loads[name].values():
-            for replica, (n, pending) in replicas.items():
-                n0, p0 = total.get(replica, (0, 0.0))
-                total[replica] = (n0 + int(n), p0 + float(pending))
-        self.pools[name].router.apply_remote_load(total)
+        self.pools[name].router.apply_remote_load(
+            sum_loads(replicas for _, replicas in self._loads[name].values()))
 
     async def _ask_if_missed(self) -> None:
         """After an outage: if a stream lost entries this gateway had not read (trimmed past

@@ -31,6 +31,7 @@ import orjson
 
 from backends.pool import Pool
 from gateway.state import GatewayState
+from routing.load import sum_loads
 
 log = logging.getLogger("prefix_gateway.workers")
 
@@ -72,14 +73,9 @@ class WorkerLoad:
         return self.state.pools
 
     def own_load(self) -> bytes:
-        out = {}
-        for pool in self.pools:
-            load = pool.router.load
-            mine = {r: [n, round(load.pending_prefill.get(r, 0.0), 1)]
-                    for r, n in load.inflight.items() if n > 0}
-            if mine:
-                out[pool.name] = mine
-        return orjson.dumps(out, option=orjson.OPT_SORT_KEYS)
+        out = {pool.name: pool.router.load.own_load() for pool in self.pools}
+        return orjson.dumps({name: mine for name, mine in out.items() if mine},
+                            option=orjson.OPT_SORT_KEYS)
 
     def tick(self, now: float | None = None) -> None:
         """Write this worker's load if due, read what changed of the others', apply."""
@@ -121,17 +117,9 @@ class WorkerLoad:
             self._apply()
 
     def _apply(self) -> None:
-        totals: dict[str, dict[str, tuple[int, float]]] = {p.name: {} for p in self.pools}
-        for value in self._theirs.values():
-            for pool, replicas in (value.get("p") or {}).items():
-                total = totals.get(pool)
-                if total is None:
-                    continue
-                for replica, (n, pending) in replicas.items():
-                    n0, p0 = total.get(replica, (0, 0.0))
-                    total[replica] = (n0 + int(n), p0 + float(pending))
         for pool in self.pools:
-            pool.router.apply_remote_load(totals[pool.name])
+            pool.router.apply_remote_load(sum_loads(
+                (value.get("p") or {}).get(pool.name, {}) for value in self._theirs.values()))
 
     async def run(self) -> None:
         while True:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 
 from routing.steps import StepTimer
@@ -38,6 +38,12 @@ class LoadTracker:
         """Replica -> (in flight, pending prefill tokens) that other gateways sharing this
         one's routing state report having put there; added to this gateway's own counts in
         `view`, never to `inflight` or `pending_prefill` (what this gateway must finish)."""
+
+    def own_load(self) -> dict[str, list[float]]:
+        """What this gateway has in flight, as it tells others: {replica: [requests, pending
+        prefill tokens]} for the replicas with requests."""
+        pending = self.pending_prefill
+        return {r: [n, round(pending.get(r, 0.0), 1)] for r, n in self.inflight.items() if n > 0}
 
     def set_remote(self, loads: Mapping[str, tuple[int, float]]) -> None:
         """Replace the other gateways' load with `loads` (replicas absent: none)."""
@@ -140,3 +146,13 @@ class LoadTracker:
             prefill_left_tokens=left,
             speed=self.steps.speed(replica),
         )
+
+
+def sum_loads(loads: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, tuple[int, float]]:
+    """Other gateways' (or workers') `own_load`s summed per replica, for `set_remote`."""
+    total: dict[str, tuple[int, float]] = {}
+    for replicas in loads:
+        for replica, (n, pending) in replicas.items():
+            n0, p0 = total.get(replica, (0, 0.0))
+            total[replica] = (n0 + int(n), p0 + float(pending))
+    return total
