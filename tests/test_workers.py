@@ -161,15 +161,11 @@ def stream(url: str, results: list, i: int) -> None:
         results.append((0, repr(exc).encode()))
 
 
-def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
-    pids = worker_pids(gw)
-    results: list = []
-    threads: list[threading.Thread] = []
-
+def busy_every_worker(gw: Gateway, results: list, threads: list[threading.Thread]) -> None:
+    """Start streams, one at a time, until each worker holds one and every stream started is
+    in flight (none still connecting): a new stream only once the last one has arrived."""
     def both_busy() -> bool:
         workers = stats(gw)["workers"]
-        # Every stream started is in flight (none still connecting, which SIGTERM would
-        # refuse), and each worker holds one.
         inflight = sum(w["inflight"] for w in workers)
         if inflight == len(threads) - len(results) and len(workers) == WORKERS and all(
                 w["inflight"] for w in workers):
@@ -181,6 +177,13 @@ def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
         return False
 
     poll(both_busy, deadline_s=30, interval_s=0.2)
+
+
+def test_sigterm_stops_every_worker_after_their_requests(gw: Gateway) -> None:
+    pids = worker_pids(gw)
+    results: list = []
+    threads: list[threading.Thread] = []
+    busy_every_worker(gw, results, threads)
     assert not results, "the streams should still be running when SIGTERM is sent"
     gw.proc.send_signal(signal.SIGTERM)
     assert gw.proc.wait(timeout=60) == 0
@@ -351,14 +354,7 @@ def test_each_worker_routes_on_the_others_requests_in_flight_too(gw: Gateway) ->
     workers could each fill a replica up to the load bound. Now each sees the others'."""
     results: list = []
     threads: list[threading.Thread] = []
-
-    def both_busy() -> bool:
-        t = threading.Thread(target=stream, args=(gw.url, results, len(threads)))
-        t.start()
-        threads.append(t)
-        return len([w for w in stats(gw)["workers"] if w["inflight"]]) == WORKERS
-
-    poll(both_busy, deadline_s=30, interval_s=0.2)
+    busy_every_worker(gw, results, threads)
 
     def others_seen() -> bool:
         # Whichever worker answers, the other holds streams in flight on the one replica.
