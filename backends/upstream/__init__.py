@@ -1,4 +1,5 @@
-"""Transports that carry one request to one replica: aiohttp in production, in-process in tests."""
+"""Transports that carry one request to one replica: our httptools client (or aiohttp),
+and an in-process one for tests."""
 
 from backends.upstream.base import (
     NO_TIMEOUTS,

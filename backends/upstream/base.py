@@ -79,7 +79,8 @@ class UpstreamResponse(Protocol):
 
 
 class Upstream(Protocol):
-    """Sends HTTP requests to replicas. Production uses aiohttp; tests use an in-process one."""
+    """Sends HTTP requests to replicas: httptools_client by default (aiohttp on request),
+    an in-process one in tests."""
 
     async def request(self, method: str, url: str, *, body: bytes | None = None,
                       headers: Mapping[str, str] | None = None,
