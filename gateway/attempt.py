@@ -31,7 +31,7 @@ class Attempt:
     def __init__(self, pool: Pool, replica: ReplicaState, decision: Decision,
                  request: RoutingRequest, traffic_class: str, received_at: float,
                  observer: Observer, keep_events: bool,
-                 monitor: HealthMonitor | None = None) -> None:
+                 monitor: HealthMonitor | None = None, trial: Trial | None = None) -> None:
         self.pool = pool
         self.replica = replica
         self.decision = decision
@@ -50,7 +50,7 @@ class Attempt:
         stalled, first_byte_timeout), None if it was not."""
         self.ended_early = False
         """The replica's response was abandoned: drop its connection, do not reuse it."""
-        self.trial: Trial | None = None
+        self.trial = trial
         """The request's experiment trial, if its class is in one: told how it ended."""
         pool.router.dispatched(decision)
         observer.inflight(pool.name, replica.name, 1)

@@ -151,8 +151,7 @@ class Mirror:
             headers = {**headers, "Authorization": replica.auth}
         monitor = self.monitor
         attempt = Attempt(pool, replica, decision, routing, cls, trial.received_at,
-                          self.observer, False, monitor)
-        attempt.trial = trial
+                          self.observer, False, monitor, trial)
         exp.count("sent")
         timeouts = self.timeouts.get(pool.name, self.default_timeouts)
         name = replica.name
@@ -168,7 +167,6 @@ class Mirror:
         except BaseException:
             attempt.end(Outcome.TRY_ANOTHER)
             raise
-        done = False
         try:
             if resp.status >= 400:
                 await resp.read()
@@ -183,21 +181,19 @@ class Mirror:
                     trial.kind = "stream_error"
                     attempt.end(Outcome.FAILED)
                     exp.count("failed")
-                    done = True
                     return
                 if replica.live_failures or replica.ejections:
                     monitor.request_succeeded(pool, replica)
             attempt.end(Outcome.ANSWERED, resp.status)
-            done = True
         except ReadFailed as exc:
             monitor.request_failed(pool, replica, f"{name}: {str(exc).split(':', 1)[0]} "
                                    "while reading a mirror copy", hard=not exc.timed_out)
             trial.kind = "timeout" if exc.timed_out else "read"
             attempt.end(Outcome.FAILED)
             exp.count("failed")
-            done = True
+        except BaseException:
+            resp.abort()  # cancelled: the candidate stops generating
+            attempt.end(Outcome.TRY_ANOTHER)
+            raise
         finally:
-            if not done:
-                resp.abort()  # cancelled: the candidate stops generating
             resp.release()
-            attempt.end(Outcome.TRY_ANOTHER)  # no-op unless cancelled
