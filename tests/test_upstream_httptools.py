@@ -19,7 +19,7 @@ from backends.upstream import (
     Timeouts,
     fetch_text,
 )
-from backends.upstream.httptools_client import HttptoolsResponse, HttptoolsUpstream
+from backends.upstream.httptools_client import HttptoolsResponse, HttptoolsUpstream, _Conn
 from tests.conftest import eventually
 
 Respond = Callable[[bytes, bytes, asyncio.StreamWriter, "Server"], Awaitable[bool]]
@@ -284,6 +284,54 @@ async def test_a_connection_broken_mid_body_fails_the_read() -> None:
         with pytest.raises(ReadFailed) as caught:
             await resp.read()
         assert not caught.value.timed_out
+
+
+class _Watched(_Conn):
+    """A connection that says when it is lost."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.lost = asyncio.Event()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.lost.set()
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+async def test_a_connection_lost_before_the_request_is_sent_fails_at_once(
+        monkeypatch: pytest.MonkeyPatch, fresh: bool) -> None:
+    # The replica closes the connection right after the handshake, and the loss is handled
+    # before the connecting task resumes: the request must fail as never sent (so it may go
+    # elsewhere), not be written into the closed connection to wait for an answer forever, and
+    # the connection must not stay registered.
+    async with serving(fixed(200, b"{}")) as (server, upstream):
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+
+        async def closed_at_once(factory, *args, **kwargs):
+            def watched() -> _Watched:
+                made = factory()
+                return _Watched(made.pool, made.loop)
+            transport, conn = await real(watched, *args, **kwargs)
+            transport.close()
+            await conn.lost.wait()
+            return transport, conn
+
+        monkeypatch.setattr(loop, "create_connection", closed_at_once)
+        with pytest.raises(ConnectFailed) as caught:
+            # No read timeout: before the fix this waited for an answer that never comes (the
+            # outer limit only keeps a failing run from hanging).
+            await asyncio.wait_for(post(upstream, server, fresh_connection=fresh), 30)
+        assert caught.value.never_sent and not caught.value.timed_out
+        assert upstream.connections() == 0
+        monkeypatch.undo()
+        resp = await post(upstream, server, fresh_connection=fresh)
+        assert (resp.status, await resp.read()) == (200, b"{}")
+        if fresh:
+            await eventually(lambda: upstream.connections() == 0)
+        else:
+            assert upstream.connections() == 1
 
 
 async def test_refused_and_timed_out_connects() -> None:

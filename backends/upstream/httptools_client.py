@@ -248,6 +248,10 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Registered here, not when create_connection returns: the connection may be lost
+        # before the awaiting task resumes, and connection_lost must find it to forget it.
+        if self.pool is not None:
+            self.pool.all.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
@@ -457,8 +461,9 @@ class HttptoolsUpstream:
         self._max_idle = max_idle_per_host
         self._pools: dict[tuple[bool, str, int], _HostPool] = {}
         self._targets: dict[str, _Target] = {}
-        self._once: set[_Conn] = set()
-        """Connections opened for one request (fresh_connection), closed after it."""
+        self._once = _HostPool(self, 0)
+        """Connections opened for one request (fresh_connection): no idle room, so each is
+        closed when its answer ends."""
         self._sweeper: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None
         self._closed = False
@@ -484,7 +489,7 @@ class HttptoolsUpstream:
             pool = self._pools[target.key] = _HostPool(self, self._max_idle)
         conn = None if fresh_connection else pool.take(loop.time(), self._keepalive)
         if conn is None:
-            conn = await self._connect(target, None if fresh_connection else pool, loop,
+            conn = await self._connect(target, self._once if fresh_connection else pool, loop,
                                        timeouts, deadline)
         lines = [method, target.head]
         if headers:
@@ -503,7 +508,7 @@ class HttptoolsUpstream:
                 raise
         return resp
 
-    async def _connect(self, target: _Target, pool: _HostPool | None,
+    async def _connect(self, target: _Target, pool: _HostPool,
                        loop: asyncio.AbstractEventLoop, timeouts: Timeouts,
                        deadline: float | None) -> _Conn:
         limit = timeouts.connect
@@ -523,11 +528,11 @@ class HttptoolsUpstream:
         except (OSError, ssl.SSLError, UnicodeError) as exc:
             raise ConnectFailed(f"ClientConnectorError: cannot connect to {target.host}:"
                                 f"{target.port}: {exc}") from None
-        if pool is not None:
-            pool.all.add(conn)
-        else:
-            self._once.add(conn)
-            conn.pool = _Once(self._once)
+        if not conn.usable:
+            # Lost between the handshake and now (the replica closed it at once): nothing was
+            # sent, so the request may go elsewhere without waiting for a read timeout.
+            raise ConnectFailed(f"ServerDisconnectedError: {target.host}:{target.port} closed "
+                                "the connection before the request was sent", never_sent=True)
         return conn
 
     def idle_added(self) -> None:
@@ -546,30 +551,15 @@ class HttptoolsUpstream:
 
     def connections(self) -> int:
         """Connections open now, idle or in use (for tests and leak checks)."""
-        return sum(len(p.all) for p in self._pools.values()) + len(self._once)
+        return sum(len(p.all) for p in self._pools.values()) + len(self._once.all)
 
     async def aclose(self) -> None:
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        conns = [c for p in self._pools.values() for c in p.all] + list(self._once)
+        conns = [c for p in self._pools.values() for c in p.all] + list(self._once.all)
         for conn in conns:
             conn.drop()
         self._pools.clear()
-        self._once.clear()
 
-
-class _Once:
-    """The 'pool' of a connection used for one request: it is closed when its answer ends."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self, conns: set[_Conn]) -> None:
-        self._set = conns
-
-    def put(self, conn: _Conn) -> None:
-        conn.drop()
-
-    def forget(self, conn: _Conn) -> None:
-        self._set.discard(conn)
