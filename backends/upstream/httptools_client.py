@@ -37,11 +37,12 @@ _DONE = 3  # the body is whole
 _FAILED = 4  # broken, timed out or aborted: `_error` says which
 
 
-
 class _Target:
     """A URL split once: the pool it belongs to and the start of its request head."""
 
-    __slots__ = ("head", "host", "key", "port", "tls")
+    __slots__ = ("head", "host", "key", "pool", "port", "tls")
+    pool: _HostPool
+    """The connections to its host, shared by every URL there (set by the upstream)."""
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -468,26 +469,27 @@ class HttptoolsUpstream:
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    def _target(self, url: str) -> _Target:
-        target = self._targets.get(url)
-        if target is None:
-            target = _Target(url)
-            if len(self._targets) >= 4096:  # URLs come from the config: this is never hit
-                self._targets.clear()
-            self._targets[url] = target
+    def _new_target(self, url: str) -> _Target:
+        target = _Target(url)
+        pool = self._pools.get(target.key)
+        if pool is None:
+            pool = self._pools[target.key] = _HostPool(self, self._max_idle)
+        target.pool = pool
+        if len(self._targets) >= 4096:  # URLs come from the config: this is never hit
+            self._targets.clear()
+        self._targets[url] = target
         return target
 
     async def request(self, method: str, url: str, *, body: bytes | None = None,
                       headers: Mapping[str, str] | None = None,
                       timeouts: Timeouts = NO_TIMEOUTS,
                       fresh_connection: bool = False) -> HttptoolsResponse:
-        target = self._target(url)
+        target = self._targets.get(url) or self._new_target(url)
+        pool = target.pool
         loop = asyncio.get_running_loop()
-        deadline = None if timeouts.total is None else loop.time() + timeouts.total
-        pool = self._pools.get(target.key)
-        if pool is None:
-            pool = self._pools[target.key] = _HostPool(self, self._max_idle)
-        conn = None if fresh_connection else pool.take(loop.time(), self._keepalive)
+        now = loop.time()
+        deadline = None if timeouts.total is None else now + timeouts.total
+        conn = None if fresh_connection else pool.take(now, self._keepalive)
         if conn is None:
             conn = await self._connect(target, self._once if fresh_connection else pool, loop,
                                        timeouts, deadline)
@@ -562,4 +564,5 @@ class HttptoolsUpstream:
         for conn in conns:
             conn.drop()
         self._pools.clear()
+        self._targets.clear()
 
