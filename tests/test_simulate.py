@@ -227,6 +227,26 @@ def test_shadow_oracle_logs_both_choices_for_every_request() -> None:
     assert "agree" in summary(rows)
 
 
+def test_shadow_oracle_runs_on_a_fleet_of_mixed_speeds() -> None:
+    from backends.sim.fleet_spec import fleet_profiles
+    from loadtests.experiments.shadow_oracle import main, run
+
+    # Mostly cold prompts, far apart, on one replica at full speed and one three times slower:
+    # the oracle reads each engine's own profile, so it sends the slow one only a prompt it
+    # holds (on two equal replicas it splits the cold ones about evenly).
+    workload = load_workload(workload="tenants", params={
+        "n_tenants": 40, "n_requests": 40, "rate_per_s": 0.5, "system_blocks": 8})
+    fleet = fleet_profiles(2, "qwen-32b-h200", slow="1:3")
+    report, rows = run(workload, "prefix_affinity", 2, RoutingSettings(), fleet=fleet)
+    assert report["fleet"] == "1 x qwen-32b-h200 + 1 x qwen-32b-h200/3"
+    assert len(rows) == 40
+    slow = [r for r in rows if r["oracle"] == "r1"]
+    assert len(slow) < 10 and all(r["oracle_cached"] > 0 for r in slow)
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "tenants", "--replicas", "3", "--fleet", "qwen-32b-h200:2"])
+    assert exc.value.code == 2  # the fleet spec's count disagrees with --replicas
+
+
 def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
     from backends.sim.fleet_spec import fleet_profiles
     from gateway.config import RoutingSettings

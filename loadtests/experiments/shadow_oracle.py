@@ -13,6 +13,9 @@ are classed by what the routed choice gave up against the oracle's:
 
     python -m loadtests.experiments.shadow_oracle --workload stress \
         --workload-param rate_per_s=3.34 --replicas 8 --csv /tmp/decisions.csv
+
+`--fleet` and `--slow` give replicas of mixed speeds, as in `loadtests.simulate`; the oracle
+reads each engine's own profile.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ from dataclasses import replace
 from typing import Any
 
 from backends.sim.engine import EngineModel
+from backends.sim.fleet_spec import (
+    FLEET_HELP,
+    SLOW_HELP,
+    ReplicaProfile,
+    describe,
+    fleet_profiles,
+)
 from gateway.config import RoutingSettings
 from loadtests import simulate as sim
 from loadtests.reference_policies import Oracle
@@ -106,7 +116,8 @@ class Shadow(Oracle):
 
 
 def run(workload: sim.Workload, policy: str, replicas: int, settings: RoutingSettings,
-        true_queue: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        true_queue: str = "", fleet: Sequence[ReplicaProfile] | None = None
+        ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Simulate `policy` with the oracle shadowing it; (report, one row per request)."""
     made: list[Shadow] = []
 
@@ -117,7 +128,7 @@ def run(workload: sim.Workload, policy: str, replicas: int, settings: RoutingSet
         return shadow
 
     report = sim.simulate(workload, policy, replicas=replicas, settings=settings,
-                          policy_factory=shadowed)
+                          policy_factory=shadowed, fleet=fleet)
     return report, made[0].rows
 
 
@@ -145,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     src.add_argument("--trace")
     src.add_argument("--workload", choices=sorted(SYNTHETIC))
     ap.add_argument("--policy", default="prefix_affinity")
-    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--replicas", type=int, default=None, help="default 8, or the --fleet's")
+    ap.add_argument("--fleet", default=None, help=FLEET_HELP)
+    ap.add_argument("--slow", default=None, help=SLOW_HELP)
     ap.add_argument("--speedup", type=float, default=1.0)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--csv", help="write one row per request here")
@@ -154,11 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_param(ap)
     add_routing_settings(ap)
     args = ap.parse_args(argv)
+    try:
+        fleet = fleet_profiles(args.replicas, sim.DEFAULT_PROFILE, args.fleet, args.slow)
+    except ValueError as exc:
+        ap.error(str(exc))
     workload = sim.load_workload(args.trace, args.workload, limit=args.limit,
                                  speedup=args.speedup, params=dict(args.workload_param))
     settings = sim.settings_for(args.policy, dict(args.settings))
-    report, rows = run(workload, args.policy, args.replicas, settings, args.true_queue)
-    print(f"# {workload.name}, {args.replicas} replicas: {args.policy} TTFT mean "
+    report, rows = run(workload, args.policy, len(fleet), settings, args.true_queue, fleet)
+    print(f"# {workload.name}, {describe(fleet)}: {args.policy} TTFT mean "
           f"{report['ttft_mean_s']:.3f} s, hit {report['hit_ratio']:.3f}")
     print(summary(rows))
     if args.csv:
