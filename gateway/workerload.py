@@ -3,7 +3,7 @@ shares routing state: what each worker's router balances on besides its own.
 
 Each worker routes on its own router; without this, a worker's load bound and queue costs
 counted only its own requests in flight, so N workers could each put a replica at the bound.
-Every `interval_s` each worker:
+Every `interval_s` (25 ms) while any worker has requests in flight, each worker:
 
 - writes its own load (per pool and replica: requests in flight, pending prefill tokens) to
   `PID.load` in the workers' directory, replacing it atomically, when it changed, and
@@ -13,8 +13,13 @@ Every `interval_s` each worker:
   does with other gateways' load.
 
 A file older than `ttl_s` (a worker that died without a word) no longer counts, and the
-supervisor deletes a dead worker's file at once. An idle gateway writes nothing: a tick is a
-comparison and a `stat` of each other worker's file. Nothing here runs on the request path.
+supervisor deletes a dead worker's file at once. While no worker has a request in flight, a
+worker looks only every `idle_interval_s` (1 s) and writes nothing: 40 wake-ups a second
+cost an idle worker about as much CPU as its health checks, scrapes and server together. Its
+first request wakes it at once (`Observer.load_moved`, one comparison on the request path),
+so from the next request on it routes on the others' load as fresh as before; only that
+first decision sees their load as it was at the last look. Nothing else here runs on the
+request path.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ log = logging.getLogger("prefix_gateway.workers")
 SUFFIX = ".load"
 """Not `.json`: the workers' figures (gateway/workerview.py) are those."""
 INTERVAL_S = 0.025
+IDLE_INTERVAL_S = 1.0
+"""How often a worker looks while no worker has a request in flight."""
 TTL_S = 3.0
 _LIST_EVERY_S = 1.0
 """How often the directory is listed again for workers that started or left."""
@@ -52,10 +59,11 @@ class WorkerLoad:
 
     def __init__(self, directory: str | Path, state: GatewayState,
                  interval_s: float = INTERVAL_S, ttl_s: float = TTL_S,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, idle_interval_s: float = IDLE_INTERVAL_S) -> None:
         self.directory = Path(directory)
         self.state = state
         self.interval_s = interval_s
+        self.idle_interval_s = idle_interval_s
         self.ttl_s = ttl_s
         self.pid = os.getpid() if pid is None else pid
         self.path = load_path(self.directory, self.pid)
@@ -67,6 +75,7 @@ class WorkerLoad:
         """File -> the modification time (ns) of what was last read from it."""
         self._theirs: dict[Path, dict[str, Any]] = {}
         """File -> what it held: {"t": written at, "p": {pool: {replica: [n, pending]}}}."""
+        self._woken: asyncio.Event | None = None
 
     @property
     def pools(self) -> list[Pool]:
@@ -121,9 +130,38 @@ class WorkerLoad:
             pool.router.apply_remote_load(sum_loads(
                 (value.get("p") or {}).get(pool.name, {}) for value in self._theirs.values()))
 
+    def pause_s(self) -> float:
+        """How long to wait before the next tick: `interval_s` while this worker or another
+        has requests in flight (or this one's file still shows some), else `idle_interval_s`."""
+        if self._own != b"{}" or self.own_load() != b"{}" or any(
+                value.get("p") for value in self._theirs.values()):
+            return self.interval_s
+        return self.idle_interval_s
+
+    def _wake(self) -> None:
+        observer = self.state.observer
+        observer.load_moved = None  # once is enough: the rest waits for the next tick
+        if self._woken is not None:
+            self._woken.set()
+
+    async def _pause(self) -> None:
+        pause = self.pause_s()
+        if pause <= self.interval_s:
+            await asyncio.sleep(pause)
+            return
+        # Idle: a request in this worker ends the wait at once.
+        self._woken = woken = asyncio.Event()
+        self.state.observer.load_moved = self._wake
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), pause)
+        finally:
+            self.state.observer.load_moved = None
+            self._woken = None
+
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            await self._pause()
             try:
                 self.tick()
             except OSError as exc:  # the directory went away: the gateway is stopping

@@ -432,3 +432,68 @@ def test_the_workers_directory_falls_back_to_the_temporary_directory() -> None:
         assert made.stat().st_mode & 0o777 == 0o700  # private to the gateway's user
     finally:
         made.rmdir()
+
+
+# How often the workers look at each other's load ----------------------------------------------
+
+def _load_state():
+    from gateway.config import GatewayConfig
+    from gateway.defaults import one_pool_config
+    from gateway.state import GatewayState
+
+    return GatewayState(GatewayConfig.model_validate(one_pool_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+
+
+def _dispatch(state, n: int = 1) -> None:
+    """What a request starting in a worker does to its load (gateway/attempt.py)."""
+    from routing.types import Decision
+
+    for _ in range(n):
+        state.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0))
+        state.observer.inflight("default", "replica-0", 1)
+
+
+def test_idle_workers_look_at_each_others_load_once_a_second_busy_ones_every_25_ms(
+        tmp_path: Path) -> None:
+    """An idle worker woke 40 times a second to find nothing changed: about as much CPU as
+    its health checks, scrapes and server together."""
+    from gateway.workerload import IDLE_INTERVAL_S, INTERVAL_S, WorkerLoad
+
+    a, b = _load_state(), _load_state()
+    la, lb = WorkerLoad(tmp_path, a, pid=1), WorkerLoad(tmp_path, b, pid=2)
+    for w in (la, lb):
+        w.tick(1000.0)
+    assert IDLE_INTERVAL_S >= 1.0
+    assert la.pause_s() == lb.pause_s() == IDLE_INTERVAL_S
+    _dispatch(b)  # B has a request in flight: both look as often as before
+    assert lb.pause_s() == INTERVAL_S
+    lb.tick(1000.0)
+    la._listed_at = -10.0
+    la.tick(1000.0)
+    assert la.pause_s() == INTERVAL_S
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0)}
+
+
+async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
+        tmp_path: Path) -> None:
+    import asyncio
+
+    from gateway.workerload import WorkerLoad
+    from tests.conftest import eventually
+
+    a = _load_state()
+    la = WorkerLoad(tmp_path, a, pid=1, idle_interval_s=3600.0)
+    task = asyncio.create_task(la.run())
+    try:
+        # Idle: waiting an hour, listening for its first request.
+        await eventually(lambda: a.observer.load_moved is not None)
+        assert not la.path.exists()
+        _dispatch(a, 2)
+        assert a.observer.load_moved is None  # woken once; the rest costs nothing
+        await eventually(la.path.exists)
+        assert orjson.loads(la.path.read_bytes())["p"] == {"default": {"replica-0": [2, 200.0]}}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert a.observer.load_moved is None
