@@ -3,8 +3,12 @@
 Both gateways run at once in front of the same instant stub replicas (loadtests/stub_replica.py)
 and are measured in turn, interleaved: a closed loop (`--concurrency` requests back to back:
 the most the machine gives, with the load generator on it too) and an open loop at fixed
-rates (the same offered load for both: CPU per request compares the work each does). A
-gateway's CPU is the sum over its processes: the supervisor and every worker.
+rates (the same offered load for both: CPU per request compares the work each does), where
+`workers=1 at half` is also measured: one worker at half the rate, the requests each of two
+workers gets, so that what a worker costs per request at that rate shows apart from what
+sharing the gateway between workers costs. A gateway's CPU is the sum over its processes
+(the supervisor and every worker) during the measured requests only: the warm-up's requests
+and the idle time before them are not counted against the measured ones.
 
     python -m loadtests.workers_bench                 # about two minutes
     python -m loadtests.workers_bench --duration 2 --reps 1 --rates 200   # a quick check
@@ -20,17 +24,35 @@ import time
 import psutil
 
 from loadtests.fleet import Fleet
+from loadtests.overhead import (
+    Run,
+    closed_loop,
+    cpu_seconds,
+    interleave,
+    open_loop,
+    request_bodies,
+)
 from loadtests.overhead import _run_sync as run_sync
-from loadtests.overhead import closed_loop, cpu_seconds, interleave, open_loop, request_bodies
 from loadtests.report import span
 from loadtests.stats import median
 
 VARIANTS = ("workers=1", "workers=2")
+HALF = "workers=1 at half"
+"""One worker at half an open loop's rate: what each of two workers gets."""
 
 
 def gateway_pids(pid: int) -> list[int]:
     """The gateway's process and its workers (if any)."""
     return [pid, *(c.pid for c in psutil.Process(pid).children())]
+
+
+def record(run: Run, pids: list[int]) -> dict:
+    """One measurement: the gateway's CPU (its processes `pids`) over the measured requests
+    only, as the run counted it from their first to their last."""
+    gcpu = sum(run.cpu_by_pid[p] for p in pids)
+    return {"rps": run.rps, "ok": run.ok, "errors": run.errors,
+            "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok),
+            "gateway_cores": gcpu / run.wall if run.wall else 0.0}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -46,14 +68,10 @@ def measure(args: argparse.Namespace) -> dict:
         bodies = request_bodies(stream=False)
 
         def one(kind: str, v: str, fn, *rest) -> None:
-            url, pid = targets[v]
+            url, pid = targets[VARIANTS[0] if v == HALF else v]
             pids = gateway_pids(pid)
-            g0 = sum(cpu_seconds(p) for p in pids)
-            run = run_sync(fn, [url], bodies, False, *rest, [stub.pid])
-            gcpu = sum(cpu_seconds(p) for p in pids) - g0
-            rec = {"rps": run.rps, "ok": run.ok, "errors": run.errors,
-                   "gateway_cpu_ms_per_req": 1000 * gcpu / max(1, run.ok),
-                   "gateway_cores": gcpu / run.wall if run.wall else 0.0}
+            run = run_sync(fn, [url], bodies, False, *rest, [stub.pid, *pids])
+            rec = record(run, pids)
             results.setdefault(kind, {}).setdefault(v, []).append(rec)
             cpu_ms = rec["gateway_cpu_ms_per_req"]
             print(f"  {kind:12} {v}  {run.rps:7.0f} req/s  gateway {cpu_ms:.3f} ms CPU/req"
@@ -73,8 +91,9 @@ def measure(args: argparse.Namespace) -> dict:
         interleave(args.reps, list(VARIANTS), lambda v, _r: one(
             f"closed c={args.concurrency}", v, closed_loop, args.concurrency, args.duration))
         for rate in args.rates:
-            interleave(args.reps, list(VARIANTS), lambda v, _r, rate=rate: one(
-                f"open {rate:g}/s", v, open_loop, rate, args.duration))
+            interleave(args.reps, [*VARIANTS, HALF], lambda v, _r, rate=rate: one(
+                f"open {rate:g}/s", v, open_loop, rate / 2 if v == HALF else rate,
+                args.duration))
     return results
 
 
@@ -85,7 +104,9 @@ def table(results: dict) -> str:
     for kind, by in results.items():
         if kind == "idle":
             continue
-        for v in VARIANTS:
+        for v in (*VARIANTS, HALF):
+            if v not in by:
+                continue
             runs = by[v]
             rps = [r["rps"] for r in runs]
             cpu = [r["gateway_cpu_ms_per_req"] for r in runs]
