@@ -497,3 +497,29 @@ async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert a.observer.load_moved is None
+
+
+async def test_a_woken_worker_still_ticks_no_sooner_than_an_interval_after_the_last(
+        tmp_path: Path) -> None:
+    """Each request of a worker at a low rate found it idle again: without a floor it ticked
+    once per request (100 times a second at 100 requests a second), more than when busy."""
+    import asyncio
+
+    from gateway.workerload import WorkerLoad
+    from tests.conftest import eventually
+
+    a = _load_state()
+    la = WorkerLoad(tmp_path, a, pid=1, interval_s=3600.0, idle_interval_s=7200.0)
+    ticks: list[int] = []
+    la.tick = lambda now=None: ticks.append(1)  # type: ignore[method-assign]
+    task = asyncio.create_task(la.run())
+    try:
+        await eventually(lambda: a.observer.load_moved is not None)
+        _dispatch(a)
+        assert a.observer.load_moved is None
+        for _ in range(50):  # many turns of the loop: the tick waits for its interval
+            await asyncio.sleep(0)
+        assert ticks == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
