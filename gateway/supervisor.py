@@ -115,11 +115,12 @@ class Supervisor:
 
     def _loop(self) -> int:
         while True:
-            timeout = 0.5
-            now = time.monotonic()
+            # Signals (SIGCHLD included) wake the select through the wakeup pipe, and a worker
+            # serving writes to its own pipe: with no restart due, nothing needs a timeout.
+            timeout: float | None = None
             pending = [s.restart_at for s in self.slots if s.restart_at is not None]
             if pending:
-                timeout = max(0.0, min(timeout, min(pending) - now))
+                timeout = max(0.0, min(pending) - time.monotonic())
             for key, _ in self.sel.select(timeout):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):

@@ -523,3 +523,43 @@ async def test_a_woken_worker_still_ticks_no_sooner_than_an_interval_after_the_l
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+SLEEPING = """
+import os, signal, sys, time
+from gateway.supervisor import Supervisor
+
+def worker(directory, serving):
+    serving()
+    signal.pause()
+
+sup = Supervisor(2, worker, "serving")
+timeouts = []
+select = sup.sel.select
+def recorded(timeout=None):
+    if sup.stopping is None:  # stopping, it polls for the workers' exits on a deadline
+        timeouts.append(timeout)
+    return select(timeout)
+sup.sel.select = recorded
+code = sup.run()
+print("timeouts", sorted({repr(t) for t in timeouts}), flush=True)
+sys.exit(code)
+"""
+
+
+def test_the_supervisor_sleeps_until_something_happens() -> None:
+    """It woke twice a second to find nothing to do; signals and its workers' pipes wake
+    it."""
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPING], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "serving (2 workers)"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "timeouts ['None']" in out, out
