@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from time import time
 
 from backends.pool import Pool, ReplicaState
@@ -18,6 +19,9 @@ class Observer:
     def __init__(self, metrics: GatewayMetrics, stats: StatsRecorder) -> None:
         self.m = metrics
         self.stats = stats
+        self.load_moved: Callable[[], None] | None = None
+        """Called when a request starts or ends on a replica, while set: the workers' shared
+        load (gateway/workerload.py), idle, is woken at once by the first request."""
 
     def decided(self, pool: str, policy: str, cls: str, d: Decision) -> None:
         m = self.m
@@ -59,6 +63,8 @@ class Observer:
 
     def inflight(self, pool: str, replica: str, delta: int) -> None:
         self.m.inflight.inc((pool, replica), delta)
+        if self.load_moved is not None:
+            self.load_moved()
 
     def finished(self, f: Finished) -> None:
         m = self.m

@@ -12,10 +12,11 @@ is free, and none is lost when a worker dies). It serves nothing itself:
   environment), end the gateway with one error and exit status 1;
 - "serving on ..." is printed once every worker serves.
 
-The workers share what /metrics and /admin/stats show through files in a temporary
-directory (gateway/workerview.py); the supervisor renames a dead worker's file `retired-PID`
-so that its counts stay in the sums. Without Redis they share their load per replica there
-too (gateway/workerload.py); the supervisor deletes a dead worker's.
+The workers share what /metrics and /admin/stats show through files in a private directory
+on a memory filesystem when there is one (`shared_dir`; gateway/workerview.py); the
+supervisor renames a dead worker's file `retired-PID` so that its counts stay in the sums.
+Without Redis they share their load per replica there too (gateway/workerload.py); the
+supervisor deletes a dead worker's.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ STARTUP_FAILURES = 3
 """Workers dying before they serve, in a row (none serving meanwhile): the gateway gives up."""
 RESTART_DELAY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 """Wait before starting a worker again, by the number of deaths in a row of that slot."""
+MEMORY_DIRS = ("/dev/shm",)
+"""Where the workers' directory goes when it exists and is writable: a memory filesystem."""
 STOP_DEADLINE_S = 3600.0
 """Longest wait for the workers to finish their requests after SIGTERM (then SIGKILL)."""
 
@@ -84,7 +87,7 @@ class Supervisor:
     # The supervisor's loop --------------------------------------------------------------------
 
     def run(self) -> int:
-        self.dir = tempfile.mkdtemp(prefix="prefix-gateway-workers-")
+        self.dir = shared_dir()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -112,11 +115,12 @@ class Supervisor:
 
     def _loop(self) -> int:
         while True:
-            timeout = 0.5
-            now = time.monotonic()
+            # Signals (SIGCHLD included) wake the select through the wakeup pipe, and a worker
+            # serving writes to its own pipe: with no restart due, nothing needs a timeout.
+            timeout: float | None = None
             pending = [s.restart_at for s in self.slots if s.restart_at is not None]
             if pending:
-                timeout = max(0.0, min(timeout, min(pending) - now))
+                timeout = max(0.0, min(pending) - time.monotonic())
             for key, _ in self.sel.select(timeout):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):
@@ -296,6 +300,20 @@ class Supervisor:
             os.replace(path, path.with_name(f"{RETIRED}{pid}.json"))
         with contextlib.suppress(OSError):  # its requests in flight are gone with it
             load_path(self.dir, pid).unlink()
+
+
+def shared_dir(candidates: tuple[str, ...] = MEMORY_DIRS) -> str:
+    """A new private directory for the workers' files, on a memory filesystem if one of
+    `candidates` is usable, else in the system's temporary directory.
+
+    Each worker replaces its load file up to 40 times a second under load: on a disk
+    filesystem (ext4 flushes a file renamed over another at once) each replacement cost
+    90-130 us of CPU and blocked the worker's event loop for 1-2 ms; on tmpfs, 7 us."""
+    for base in candidates:
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            with contextlib.suppress(OSError):
+                return tempfile.mkdtemp(prefix="prefix-gateway-workers-", dir=base)
+    return tempfile.mkdtemp(prefix="prefix-gateway-workers-")
 
 
 def _exit_quietly(_signum: int, _frame: object) -> None:

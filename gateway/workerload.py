@@ -3,7 +3,7 @@ shares routing state: what each worker's router balances on besides its own.
 
 Each worker routes on its own router; without this, a worker's load bound and queue costs
 counted only its own requests in flight, so N workers could each put a replica at the bound.
-Every `interval_s` each worker:
+Every `interval_s` (25 ms) while any worker has requests in flight, each worker:
 
 - writes its own load (per pool and replica: requests in flight, pending prefill tokens) to
   `PID.load` in the workers' directory, replacing it atomically, when it changed, and
@@ -13,8 +13,13 @@ Every `interval_s` each worker:
   does with other gateways' load.
 
 A file older than `ttl_s` (a worker that died without a word) no longer counts, and the
-supervisor deletes a dead worker's file at once. An idle gateway writes nothing: a tick is a
-comparison and a `stat` of each other worker's file. Nothing here runs on the request path.
+supervisor deletes a dead worker's file at once. While no worker has a request in flight, a
+worker looks only every `idle_interval_s` (1 s) and writes nothing: 40 wake-ups a second
+cost an idle worker about as much CPU as its health checks, scrapes and server together. Its
+first request wakes it at once (`Observer.load_moved`, one comparison on the request path),
+so from the next request on it routes on the others' load as fresh as before; only that
+first decision sees their load as it was at the last look. Nothing else here runs on the
+request path.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ log = logging.getLogger("prefix_gateway.workers")
 SUFFIX = ".load"
 """Not `.json`: the workers' figures (gateway/workerview.py) are those."""
 INTERVAL_S = 0.025
+IDLE_INTERVAL_S = 1.0
+"""How often a worker looks while no worker has a request in flight."""
 TTL_S = 3.0
 _LIST_EVERY_S = 1.0
 """How often the directory is listed again for workers that started or left."""
@@ -52,20 +59,23 @@ class WorkerLoad:
 
     def __init__(self, directory: str | Path, state: GatewayState,
                  interval_s: float = INTERVAL_S, ttl_s: float = TTL_S,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, idle_interval_s: float = IDLE_INTERVAL_S) -> None:
         self.directory = Path(directory)
         self.state = state
         self.interval_s = interval_s
+        self.idle_interval_s = idle_interval_s
         self.ttl_s = ttl_s
         self.pid = os.getpid() if pid is None else pid
         self.path = load_path(self.directory, self.pid)
+        self._path = str(self.path)
+        self._tmp = str(self.directory / f".{self.pid}{SUFFIX}.tmp")
         self._own: bytes = b"{}"
         self._written_at = 0.0
         self._listed_at = -_LIST_EVERY_S
-        self._files: list[Path] = []
-        self._seen: dict[Path, int] = {}
+        self._files: list[str] = []
+        self._seen: dict[str, int] = {}
         """File -> the modification time (ns) of what was last read from it."""
-        self._theirs: dict[Path, dict[str, Any]] = {}
+        self._theirs: dict[str, dict[str, Any]] = {}
         """File -> what it held: {"t": written at, "p": {pool: {replica: [n, pending]}}}."""
 
     @property
@@ -82,23 +92,28 @@ class WorkerLoad:
         now = time.time() if now is None else now
         own = self.own_load()
         if own != self._own or (own != b"{}" and now - self._written_at >= self.ttl_s / 3):
-            tmp = self.directory / f".{self.pid}{SUFFIX}.tmp"
-            tmp.write_bytes(b'{"t":%r,"p":%s}' % (now, own))
-            os.replace(tmp, self.path)
+            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b'{"t":%r,"p":%s}' % (now, own))
+            finally:
+                os.close(fd)
+            os.replace(self._tmp, self._path)
             self._own, self._written_at = own, now
         if now - self._listed_at >= _LIST_EVERY_S:
             self._listed_at = now
-            self._files = [p for p in self.directory.glob(f"*{SUFFIX}") if p != self.path]
+            # Plain strings from here on: pathlib's per-call cost, 80 times a second, showed.
+            self._files = [str(p) for p in self.directory.glob(f"*{SUFFIX}") if p != self.path]
             for gone in set(self._theirs) - set(self._files):
                 self._theirs.pop(gone, None)
                 self._seen.pop(gone, None)
         changed = False
         for path in self._files:
             try:
-                mtime = path.stat().st_mtime_ns
+                mtime = os.stat(path).st_mtime_ns
                 if self._seen.get(path) == mtime:
                     continue
-                self._theirs[path] = orjson.loads(path.read_bytes())
+                with open(path, "rb") as f:
+                    self._theirs[path] = orjson.loads(f.read())
                 self._seen[path] = mtime
             except FileNotFoundError:  # the worker left: listed again within a second
                 if self._theirs.pop(path, None) is not None:
@@ -121,9 +136,46 @@ class WorkerLoad:
             pool.router.apply_remote_load(sum_loads(
                 (value.get("p") or {}).get(pool.name, {}) for value in self._theirs.values()))
 
+    def pause_s(self) -> float:
+        """How long to wait before the next tick: `interval_s` while this worker or another
+        has requests in flight (or this one's file still shows some), else `idle_interval_s`."""
+        if self._own != b"{}" or self.own_load() != b"{}" or any(
+                value.get("p") for value in self._theirs.values()):
+            return self.interval_s
+        return self.idle_interval_s
+
+    async def _idle(self, pause: float) -> None:
+        """Wait `pause` seconds, or until this worker's next request starts or ends."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        observer = self.state.observer
+
+        def wake() -> None:
+            observer.load_moved = None  # once is enough: the rest waits for the next tick
+            if not woken.done():
+                woken.set_result(None)
+
+        timer = loop.call_later(pause, wake)
+        observer.load_moved = wake
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            observer.load_moved = None
+
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.interval_s)
+            pause = self.pause_s()
+            if pause > self.interval_s:
+                await self._idle(pause)
+                # Woken by a request: still no sooner than `interval_s` after the last tick,
+                # or a worker at 100 requests a second would tick 100 times.
+                await asyncio.sleep(max(0.0, last + self.interval_s - loop.time()))
+            else:
+                await asyncio.sleep(pause)
+            last = loop.time()
             try:
                 self.tick()
             except OSError as exc:  # the directory went away: the gateway is stopping

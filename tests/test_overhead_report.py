@@ -122,3 +122,22 @@ def test_router_comparison_puts_cpu_of_routers_and_stubs_side_by_side() -> None:
     cpu_line = next(line for line in table.splitlines() if "gw CPU-ms/req" in line)
     assert cpu_line.split()[-1] == "1.75" and cpu_line.split()[-2] == "1.00"
     assert table.splitlines()[-1] == "errors: baseline 0, current 0, sglang 0"
+
+
+def test_workers_bench_counts_the_gateways_cpu_over_the_measured_requests_only() -> None:
+    """It used to read the gateway's CPU before the warm-up and after the run: the warm-up's
+    requests (and the idle time around them) counted as CPU but not as requests."""
+    from loadtests.workers_bench import HALF, SEPARATE, record, table
+
+    run = Run(ok=1000, wall=2.0, cpu_by_pid={1: 0.0, 2: 0.05, 3: 0.07, 99: 0.5})
+    rec = record(run, [1, 2, 3], switches=250)  # 99: the stub replicas, not the gateway
+    assert rec["gateway_cpu_ms_per_req"] == pytest.approx(0.12)
+    assert rec["gateway_cores"] == pytest.approx(0.06)
+    assert rec["rps"] == 500.0
+    assert rec["switches_per_req"] == 0.25
+    half = record(Run(ok=500, wall=2.0, cpu_by_pid={1: 0.08}), [1])
+    text = table({"open 500/s": {"workers=1": [rec], "workers=2": [rec], HALF: [half]},
+                  "closed c=32": {"workers=1": [rec], SEPARATE: [rec]}})
+    assert "| open 500/s | workers=1 at half | 250 " in text
+    assert "| 0.160 " in text
+    assert "| closed c=32 | 2 separate gateways | 500 " in text and "| 0.25 |" in text

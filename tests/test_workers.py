@@ -400,3 +400,166 @@ def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path
     # A dies without a word: its file stops being rewritten, and ages out.
     lc.tick(now + lc.ttl_s + 1)
     assert c.pools[0].router.load.remote == {}
+
+
+# Where the workers' files live ---------------------------------------------------------------
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+def test_the_workers_files_live_on_a_memory_filesystem_and_go_with_the_gateway(
+        gw: Gateway) -> None:
+    """On a disk filesystem each replacement of a worker's load file (up to 40 a second
+    under load) cost 90-130 us of CPU and blocked the worker's loop for 1-2 ms."""
+    pids = worker_pids(gw)
+    found = poll(lambda: [p for pid in pids
+                          for p in Path("/dev/shm").glob(f"prefix-gateway-workers-*/{pid}.json")],
+                 deadline_s=15)
+    directory = found[0].parent
+    assert {p.parent for p in found} == {directory} and len(found) == WORKERS
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(timeout=60) == 0
+    assert not directory.exists()
+
+
+def test_the_workers_directory_falls_back_to_the_temporary_directory() -> None:
+    import tempfile
+
+    from gateway.supervisor import shared_dir
+
+    made = Path(shared_dir(("/nonexistent-memory-dir",)))
+    try:
+        assert made.parent == Path(tempfile.gettempdir())
+        assert made.name.startswith("prefix-gateway-workers-")
+        assert made.stat().st_mode & 0o777 == 0o700  # private to the gateway's user
+    finally:
+        made.rmdir()
+
+
+# How often the workers look at each other's load ----------------------------------------------
+
+def _load_state():
+    from gateway.config import GatewayConfig
+    from gateway.defaults import one_pool_config
+    from gateway.state import GatewayState
+
+    return GatewayState(GatewayConfig.model_validate(one_pool_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+
+
+def _dispatch(state, n: int = 1) -> None:
+    """What a request starting in a worker does to its load (gateway/attempt.py)."""
+    from routing.types import Decision
+
+    for _ in range(n):
+        state.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0))
+        state.observer.inflight("default", "replica-0", 1)
+
+
+def test_idle_workers_look_at_each_others_load_once_a_second_busy_ones_every_25_ms(
+        tmp_path: Path) -> None:
+    """An idle worker woke 40 times a second to find nothing changed: about as much CPU as
+    its health checks, scrapes and server together."""
+    from gateway.workerload import IDLE_INTERVAL_S, INTERVAL_S, WorkerLoad
+
+    a, b = _load_state(), _load_state()
+    la, lb = WorkerLoad(tmp_path, a, pid=1), WorkerLoad(tmp_path, b, pid=2)
+    for w in (la, lb):
+        w.tick(1000.0)
+    assert IDLE_INTERVAL_S >= 1.0
+    assert la.pause_s() == lb.pause_s() == IDLE_INTERVAL_S
+    _dispatch(b)  # B has a request in flight: both look as often as before
+    assert lb.pause_s() == INTERVAL_S
+    lb.tick(1000.0)
+    la._listed_at = -10.0
+    la.tick(1000.0)
+    assert la.pause_s() == INTERVAL_S
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0)}
+
+
+async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
+        tmp_path: Path) -> None:
+    import asyncio
+
+    from gateway.workerload import WorkerLoad
+    from tests.conftest import eventually
+
+    a = _load_state()
+    la = WorkerLoad(tmp_path, a, pid=1, idle_interval_s=3600.0)
+    task = asyncio.create_task(la.run())
+    try:
+        # Idle: waiting an hour, listening for its first request.
+        await eventually(lambda: a.observer.load_moved is not None)
+        assert not la.path.exists()
+        _dispatch(a, 2)
+        assert a.observer.load_moved is None  # woken once; the rest costs nothing
+        await eventually(la.path.exists)
+        assert orjson.loads(la.path.read_bytes())["p"] == {"default": {"replica-0": [2, 200.0]}}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert a.observer.load_moved is None
+
+
+async def test_a_woken_worker_still_ticks_no_sooner_than_an_interval_after_the_last(
+        tmp_path: Path) -> None:
+    """Each request of a worker at a low rate found it idle again: without a floor it ticked
+    once per request (100 times a second at 100 requests a second), more than when busy."""
+    import asyncio
+
+    from gateway.workerload import WorkerLoad
+    from tests.conftest import eventually
+
+    a = _load_state()
+    la = WorkerLoad(tmp_path, a, pid=1, interval_s=3600.0, idle_interval_s=7200.0)
+    ticks: list[int] = []
+    la.tick = lambda now=None: ticks.append(1)  # type: ignore[method-assign]
+    task = asyncio.create_task(la.run())
+    try:
+        await eventually(lambda: a.observer.load_moved is not None)
+        _dispatch(a)
+        assert a.observer.load_moved is None
+        for _ in range(50):  # many turns of the loop: the tick waits for its interval
+            await asyncio.sleep(0)
+        assert ticks == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+SLEEPING = """
+import os, signal, sys, time
+from gateway.supervisor import Supervisor
+
+def worker(directory, serving):
+    serving()
+    signal.pause()
+
+sup = Supervisor(2, worker, "serving")
+timeouts = []
+select = sup.sel.select
+def recorded(timeout=None):
+    if sup.stopping is None:  # stopping, it polls for the workers' exits on a deadline
+        timeouts.append(timeout)
+    return select(timeout)
+sup.sel.select = recorded
+code = sup.run()
+print("timeouts", sorted({repr(t) for t in timeouts}), flush=True)
+sys.exit(code)
+"""
+
+
+def test_the_supervisor_sleeps_until_something_happens() -> None:
+    """It woke twice a second to find nothing to do; signals and its workers' pipes wake
+    it."""
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPING], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "serving (2 workers)"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "timeouts ['None']" in out, out
