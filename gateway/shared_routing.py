@@ -109,7 +109,7 @@ class SharedRouting:
 
     def __init__(self, cfg: RedisConfig, pools: Sequence[Pool], observer: Observer,
                  client: Redis | None = None) -> None:
-        self.settings = s = cfg.shared_routing
+        self.settings = cfg.shared_routing
         self.id = uuid.uuid4().hex[:16]
         """This gateway's id in Redis: it names its streams and its field in the registry."""
         self.observer = observer
@@ -131,9 +131,13 @@ class SharedRouting:
         self.queue: deque[Insert] = deque()
         """(pool, replica, decided at (time.time()), block hashes, uncached tokens), oldest
         first."""
-        self.recent: deque[Insert] = deque(
-            maxlen=s.resync_inserts)
-        """The last inserts this gateway published, to publish again when a peer asks."""
+        self.recent: deque[tuple[str, int, bytes]] = deque()
+        """The last inserts this gateway published, to publish again when a peer asks: (pool,
+        inserts, their JSON array) per write, oldest first, about `resync_inserts` in all.
+        Kept as written, in bytes: thousands of live tuples and lists would be walked by
+        every pass of the garbage collector, which cost a busy gateway more CPU than all
+        its writes to Redis."""
+        self._recent_count = 0
         self.last_ids: dict[str, str] = {}
         """The last entry read of each peer's stream read (and of some no longer read)."""
         self.started_at = time.time()
@@ -329,18 +333,22 @@ class SharedRouting:
                 self._load_sent = now
         commands: list[tuple[Any, ...]] = []
         heartbeat_due = time.monotonic() - self._heartbeat_at >= _PEERS_EVERY_S
+        encoded = {name: orjson.dumps(items, default=list) for name, items in pools.items()}
         for name in self.pools:
             fields: list[Any] = []
-            if name in pools:
-                fields += ["d", orjson.dumps(pools[name], default=list)]
+            if name in encoded:
+                fields += ["d", encoded[name]]
             if name in loads:
                 fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
             if fields:
                 commands.append(("XADD", self.streams[name], *trim, "*", "g", self.id, *fields))
         if republish:
-            for pool, items in self._by_pool(list(self.recent)).items():
+            again: dict[str, list[bytes]] = {}
+            for pool, _, payload in self.recent:
+                again.setdefault(pool, []).append(payload[1:-1])  # the array's items
+            for pool, items in again.items():
                 commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
-                                 "d", orjson.dumps(items, default=list), "r", "1"))
+                                 "d", b"[%s]" % b",".join(items), "r", "1"))
         if not commands:
             return
         if heartbeat_due:  # after the XADDs, which may have made the streams
@@ -356,9 +364,19 @@ class SharedRouting:
         if heartbeat_due:
             self._heartbeat_at = time.monotonic()
         self._own_load.update(loads)
-        self.recent.extend(batch)
         for pool, items in pools.items():
+            self._remember(pool, len(items), encoded[pool])
             self.observer.shared_inserts(pool, "published", len(items))
+
+    def _remember(self, pool: str, count: int, payload: bytes) -> None:
+        """Keep what was written to publish it again, dropping the oldest writes beyond
+        `resync_inserts` (the newest is kept whole)."""
+        recent = self.recent
+        recent.append((pool, count, payload))
+        self._recent_count += count
+        cap = self.settings.resync_inserts
+        while recent and (self._recent_count > cap and (len(recent) > 1 or not cap)):
+            self._recent_count -= recent.popleft()[1]
 
     async def read(self, block_ms: int | None, peers: bool | None = None) -> bool:
         """Read the other gateways' new entries (waiting up to `block_ms` for one; None: not
@@ -483,7 +501,7 @@ class SharedRouting:
         self._republish_at = None
         self._republished = time.monotonic()
         log.info("shared routing state: a gateway missed entries; publishing this one's %d "
-                 "most recent prefix inserts again", len(self.recent))
+                 "most recent prefix inserts again", self._recent_count)
         return True
 
     @staticmethod
