@@ -453,8 +453,9 @@ async def _is_none(value: Any) -> bool:
 async def test_what_a_gateway_keeps_to_publish_again_is_nothing_the_collector_walks(
         redis_server: RedisServer) -> None:
     """The inserts kept for a resync are kept as written (bytes), not as the queued tuples
-    and hash lists: thousands of those, live for seconds, made every collector pass of a
-    busy gateway walk them (+0.015 ms of CPU per request). A resync still publishes them."""
+    holding the requests' hash lists: thousands of those, live for seconds, made every
+    collector pass of a busy gateway walk them (+0.015 ms of CPU per request). A resync
+    still publishes them."""
     import gc
     import sys
 
@@ -466,7 +467,7 @@ async def test_what_a_gateway_keeps_to_publish_again_is_nothing_the_collector_wa
         router_a.record("rt-2", hashes, 48.0)
         assert sys.getrefcount(hashes) == refs + 1  # queued
         await sa.tick(True)
-        assert sys.getrefcount(hashes) == refs  # written: nothing holds it any more
+        assert sys.getrefcount(hashes) == refs  # written and kept: no longer held
         gc.collect()
         assert sa.recent and not any(gc.is_tracked(item) for item in sa.recent)
         # B asks, A publishes its recent inserts again, B has them.
