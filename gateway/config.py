@@ -555,8 +555,8 @@ class SharedRoutingConfig(_Strict):
                            "to be written; beyond it (Redis slow or away) the oldest are "
                            "dropped and counted")
     stream_max_entries: int = Field(10_000, ge=100, le=10_000_000, description="entries "
-                                    "(flushes) each pool's stream keeps in Redis (trimmed "
-                                    "approximately)")
+                                    "(flushes) each gateway's stream of a pool keeps in "
+                                    "Redis (trimmed approximately)")
     resync_inserts: int = Field(4096, ge=0, le=1_000_000, description="a gateway's most "
                                 "recent prefix inserts it keeps to publish again when a peer "
                                 "missed entries (the stream was trimmed past it, or its Redis "

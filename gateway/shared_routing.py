@@ -2,9 +2,10 @@
 
 Each gateway routes on its own router as before: the index is updated at decision time, in
 the request's own step, and nothing on a request's path waits for Redis (it appends the
-decision to a queue). What is shared travels beside it, on one stream per pool
-(`{prefix}routing:{pool}:inserts`, trimmed to about `stream_max_entries`), through two
-background tasks, each with a connection of its own:
+decision to a queue). What is shared travels beside it, on one stream per gateway and pool
+(`{prefix}routing:{pool}:inserts:{gateway id}`, trimmed to about `stream_max_entries`), so
+that a gateway never reads its own entries back, through two background tasks, each with a
+connection of its own:
 
 - the writer, woken by the first insert queued and looking at this gateway's load every
   `load_interval_s` (locally, and only while it has requests in flight), sends one
@@ -13,11 +14,16 @@ background tasks, each with a connection of its own:
   prefill, stamped with the writer's time; again every third of `load_ttl_s` while not
   empty), as one entry per pool; at most once per `flush_interval_s`, so that a busy
   gateway batches, and never when idle;
-- the reader blocks on the streams (XREAD BLOCK) from the last entry read until another
-  gateway writes, applies their inserts to this gateway's routers
+- the reader blocks on the other gateways' streams (XREAD BLOCK) from the last entry read
+  until one of them writes, applies their inserts to this gateway's routers
   (`Router.apply_remote_inserts`) and the sum of their latest loads
   (`Router.apply_remote_load`), then reads again after `flush_interval_s`. A load older than
   `load_ttl_s` no longer counts; a gateway that stops says it has none.
+
+The gateways find each other in a registry (`{prefix}routing:gateways`, a sorted set of ids
+scored by their last heartbeat): every `_PEERS_EVERY_S` the reader refreshes its own entry
+(and the expiry of its streams) and reads which others are there, so that a gateway that
+starts is read within about two seconds, and one silent for `_PEER_TTL_S` is dropped.
 
 Inserts wait in a bounded queue, the oldest dropped (and counted) when Redis is slow or away.
 Each carries the time its gateway decided it; the reader observes the time from there to its
@@ -72,6 +78,15 @@ _BLOCK_S = 1.0
 """Longest wait of a read for another gateway's entry (at most half the Redis timeout)."""
 _RESYNC_EVERY_S = 1.0
 """A gateway publishes its recent inserts again at most this often, however many ask."""
+_PEERS_EVERY_S = 1.0
+"""How often a gateway says it is alive in the registry and reads who else is."""
+_PEER_TTL_S = 10.0
+"""A gateway whose last heartbeat is older than this is dropped from the registry."""
+_STREAM_TTL_S = 120.0
+"""A gateway's streams expire this long after its last heartbeat (it stopped or crashed):
+long enough for the others to read its last entries."""
+_FORGOTTEN_IDS = 4096
+"""Last ids kept for streams no longer read (a peer that returns resumes where it was)."""
 
 
 
@@ -94,21 +109,37 @@ class SharedRouting:
 
     def __init__(self, cfg: RedisConfig, pools: Sequence[Pool], observer: Observer,
                  client: Redis | None = None) -> None:
-        self.settings = s = cfg.shared_routing
+        self.settings = cfg.shared_routing
         self.id = uuid.uuid4().hex[:16]
-        """This gateway's id in Redis: its own entries are skipped, its load is its field."""
+        """This gateway's id in Redis: it names its streams and its field in the registry."""
         self.observer = observer
         self.link = RedisLink(cfg, self._changed, client=client, messages=MESSAGES)
         self.pools = {p.name: p for p in pools}
-        self.streams = {name: self.link.key("routing", name, "inserts") for name in self.pools}
-        self._pool_of_stream = {k.encode(): name for name, k in self.streams.items()}
+        self.registry = self.link.key("routing", "gateways")
+        self.streams = {name: self._stream(name, self.id) for name in self.pools}
+        """This gateway's own stream per pool, which it writes and never reads."""
+        self.peers: frozenset[str] = frozenset()
+        """The other gateways in the registry at its last reading: their streams are read."""
+        self._pool_of_stream: dict[bytes, str] = {}
+        """Each peer's stream read (its key) -> its pool."""
+        self._reading: list[str] = []
+        """The keys of the peers' streams read, in the order XREAD names them."""
+        self._peers_at = -_PEERS_EVERY_S
+        """When the reader last read the registry (monotonic)."""
+        self._heartbeat_at = -_PEERS_EVERY_S
+        """When this gateway last said it is alive (monotonic)."""
         self.queue: deque[Insert] = deque()
         """(pool, replica, decided at (time.time()), block hashes, uncached tokens), oldest
         first."""
-        self.recent: deque[Insert] = deque(
-            maxlen=s.resync_inserts)
-        """The last inserts this gateway published, to publish again when a peer asks."""
-        self.last_ids: dict[str, str] = {k: "0-0" for k in self.streams.values()}
+        self.recent: deque[tuple[str, int, bytes]] = deque()
+        """The last inserts this gateway published, to publish again when a peer asks: (pool,
+        inserts, their JSON array) per write, oldest first, about `resync_inserts` in all.
+        Kept as written, in bytes: thousands of live tuples and lists would be walked by
+        every pass of the garbage collector, which cost a busy gateway more CPU than all
+        its writes to Redis."""
+        self._recent_count = 0
+        self.last_ids: dict[str, str] = {}
+        """The last entry read of each peer's stream read (and of some no longer read)."""
         self.started_at = time.time()
         self._republish_at: float | None = None
         """When a peer asked for this gateway's recent inserts (None: nobody has)."""
@@ -128,6 +159,9 @@ class SharedRouting:
             pool.router.on_record = self._recorder(pool.name)
 
     # On the request's path: one append ----------------------------------------------------
+
+    def _stream(self, pool: str, gateway: str) -> str:
+        return self.link.key("routing", pool, "inserts", gateway)
 
     def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
         queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
@@ -181,6 +215,9 @@ class SharedRouting:
                 pool.router.apply_remote_load({})
             self._own_load = {}  # publish it again as soon as Redis is back
             self._check_gap = True
+            # Say this gateway is alive, and look for the others, as soon as it is back (a
+            # Redis restarted without its data has an empty registry).
+            self._peers_at = self._heartbeat_at = -_PEERS_EVERY_S
 
     def _failed(self, exc: BaseException) -> None:
         """Something other than an outage went wrong: logged once per kind, then retried."""
@@ -258,10 +295,18 @@ class SharedRouting:
     # Writing ------------------------------------------------------------------------------
 
     async def tick(self, with_load: bool) -> bool:
-        """One write and one read that does not wait (what the two loops do, by hand): True
-        when a stream had more entries than one read takes."""
+        """One write and one read that does not wait (what the two loops do, by hand, the
+        registry read every time): True when a stream had more entries than one read
+        takes."""
         await self.write(with_load)
-        return await self.read(None)
+        return await self.read(None, peers=True)
+
+    def _heartbeat(self, now: float) -> list[tuple[Any, ...]]:
+        """The commands that say this gateway is alive: its registry entry and its streams'
+        expiry (set again on each heartbeat: a stopped gateway's expire)."""
+        ttl_ms = int(1000 * _STREAM_TTL_S)
+        return [("ZADD", self.registry, repr(now), self.id),
+                *(("PEXPIRE", key, ttl_ms) for key in self.streams.values())]
 
     async def write(self, with_load: bool) -> None:
         """Write the queued inserts and, with them or with `with_load`, this gateway's load
@@ -287,20 +332,27 @@ class SharedRouting:
             if loads:
                 self._load_sent = now
         commands: list[tuple[Any, ...]] = []
+        heartbeat_due = time.monotonic() - self._heartbeat_at >= _PEERS_EVERY_S
+        encoded = {name: orjson.dumps(items, default=list) for name, items in pools.items()}
         for name in self.pools:
             fields: list[Any] = []
-            if name in pools:
-                fields += ["d", orjson.dumps(pools[name])]
+            if name in encoded:
+                fields += ["d", encoded[name]]
             if name in loads:
                 fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
             if fields:
                 commands.append(("XADD", self.streams[name], *trim, "*", "g", self.id, *fields))
         if republish:
-            for pool, items in self._by_pool(list(self.recent)).items():
+            again: dict[str, list[bytes]] = {}
+            for pool, _, payload in self.recent:
+                again.setdefault(pool, []).append(payload[1:-1])  # the array's items
+            for pool, items in again.items():
                 commands.append(("XADD", self.streams[pool], *trim, "*", "g", self.id,
-                                 "d", orjson.dumps(items), "r", "1"))
+                                 "d", b"[%s]" % b",".join(items), "r", "1"))
         if not commands:
             return
+        if heartbeat_due:  # after the XADDs, which may have made the streams
+            commands += self._heartbeat(time.time())
         try:
             await self._round_trip("write", commands)
         except BaseException:
@@ -309,27 +361,48 @@ class SharedRouting:
                 self._republish_at = self._republish_at or time.monotonic()
             raise
         self.link.mark_up()
+        if heartbeat_due:
+            self._heartbeat_at = time.monotonic()
         self._own_load.update(loads)
-        self.recent.extend(batch)
         for pool, items in pools.items():
+            self._remember(pool, len(items), encoded[pool])
             self.observer.shared_inserts(pool, "published", len(items))
 
-    async def read(self, block_ms: int | None) -> bool:
+    def _remember(self, pool: str, count: int, payload: bytes) -> None:
+        """Keep what was written to publish it again, dropping the oldest writes beyond
+        `resync_inserts` (the newest is kept whole)."""
+        recent = self.recent
+        recent.append((pool, count, payload))
+        self._recent_count += count
+        cap = self.settings.resync_inserts
+        while recent and (self._recent_count > cap and (len(recent) > 1 or not cap)):
+            self._recent_count -= recent.popleft()[1]
+
+    async def read(self, block_ms: int | None, peers: bool | None = None) -> bool:
         """Read the other gateways' new entries (waiting up to `block_ms` for one; None: not
-        at all) and apply them, then drop loads older than `load_ttl_s`. True: a stream had
-        more entries than one read takes (read on at once)."""
-        block = ("BLOCK", block_ms) if block_ms is not None else ()
-        (got,) = await self._round_trip("read", [
-            ("XREAD", "COUNT", _READ_COUNT, *block, "STREAMS", *self.last_ids,
-             *self.last_ids.values())])
-        self.link.mark_up()
+        at all) and apply them, then drop loads older than `load_ttl_s`. The registry is
+        read first when `peers`, or (None) every `_PEERS_EVERY_S`. True: a stream had more
+        entries than one read takes (read on at once)."""
+        if peers or (peers is None
+                     and time.monotonic() - self._peers_at >= _PEERS_EVERY_S):
+            await self._read_peers()
         behind = False
         changed: set[str] = set()
-        for stream, entries in (got.items() if isinstance(got, dict) else got or ()):
-            pool = self._apply(stream, entries)
-            if pool is not None:
-                changed.add(pool)
-            behind = behind or len(entries) >= _READ_COUNT
+        keys = self._reading
+        if keys:
+            block = ("BLOCK", block_ms) if block_ms is not None else ()
+            last = self.last_ids
+            (got,) = await self._round_trip("read", [
+                ("XREAD", "COUNT", _READ_COUNT, *block, "STREAMS", *keys,
+                 *(last[k] for k in keys))])
+            self.link.mark_up()
+            for stream, entries in (got.items() if isinstance(got, dict) else got or ()):
+                pool = self._apply(stream, entries)
+                if pool is not None:
+                    changed.add(pool)
+                behind = behind or len(entries) >= _READ_COUNT
+        elif block_ms:  # alone: nothing to wait on until the registry is read again
+            await asyncio.sleep(block_ms / 1000)
         now = time.time()
         ttl = self.settings.load_ttl_s
         for name, theirs in self._loads.items():
@@ -340,6 +413,36 @@ class SharedRouting:
         for name in changed:
             self._apply_loads(name)
         return behind
+
+    async def _read_peers(self) -> None:
+        """Say this gateway is alive, drop the gateways silent for `_PEER_TTL_S` and read
+        which others are there: one round trip on the reader's connection."""
+        now = time.time()
+        replies = await self._round_trip("read", [
+            *self._heartbeat(now),
+            ("ZREMRANGEBYSCORE", self.registry, "-inf", repr(now - _PEER_TTL_S)),
+            ("ZRANGE", self.registry, 0, -1)])
+        self.link.mark_up()
+        self._peers_at = self._heartbeat_at = time.monotonic()
+        found = frozenset(m.decode() if isinstance(m, bytes) else m for m in replies[-1])
+        self._set_peers(found - {self.id})
+
+    def _set_peers(self, peers: frozenset[str]) -> None:
+        """Read `peers`' streams from here on: a new one's from its start (or where this
+        gateway had left it), a dropped one's no longer (where it was is kept)."""
+        if peers == self.peers:
+            return
+        self.peers = peers
+        self._pool_of_stream = {self._stream(pool, g).encode(): pool
+                                for g in sorted(peers) for pool in self.pools}
+        self._reading = [k.decode() for k in self._pool_of_stream]
+        last = self.last_ids
+        for key in self._reading:
+            last.setdefault(key, "0-0")
+        if len(last) > len(self._reading) + _FORGOTTEN_IDS:
+            reading = set(self._reading)
+            for key in [k for k in last if k not in reading]:
+                del last[key]
 
     async def _round_trip(self, role: str, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send `commands` at once on this gateway's own connection for `role` (the writer's,
@@ -373,11 +476,12 @@ class SharedRouting:
         return replies
 
     @staticmethod
-    def _by_pool(batch: list[Insert]) -> dict[str, list[list[Any]]]:
-        out: dict[str, list[list[Any]]] = {}
-        for pool, replica, at, hashes, uncached in batch:
-            out.setdefault(pool, []).append([replica, round(at, 6), list(hashes),
-                                             round(uncached, 1)])
+    def _by_pool(batch: list[Insert]) -> dict[str, list[tuple[Any, ...]]]:
+        """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens),
+        the queued tuples' tails as they are (orjson writes tuples as arrays)."""
+        out: dict[str, list[tuple[Any, ...]]] = {}
+        for item in batch:
+            out.setdefault(item[0], []).append(item[1:])
         return out
 
     def _requeue(self, batch: list[Insert]) -> None:
@@ -397,7 +501,7 @@ class SharedRouting:
         self._republish_at = None
         self._republished = time.monotonic()
         log.info("shared routing state: a gateway missed entries; publishing this one's %d "
-                 "most recent prefix inserts again", len(self.recent))
+                 "most recent prefix inserts again", self._recent_count)
         return True
 
     @staticmethod
@@ -413,16 +517,12 @@ class SharedRouting:
             return None
         loads = self._loads[pool_name]
         load_changed = False
-        key = self.streams[pool_name]
-        self.last_ids[key] = entries[-1][0].decode()
+        self.last_ids[stream.decode()] = entries[-1][0].decode()
         router = self.pools[pool_name].router
-        me = self.id.encode()
         now = time.time()
         observe = self.observer.shared_lag
         for _, raw in entries:
             fields = _pairs(raw)
-            if fields.get(b"g") == me:
-                continue
             if b"q" in fields:  # a peer missed entries: publish ours again
                 self._republish_at = self._republish_at or time.monotonic()
                 continue
@@ -451,13 +551,13 @@ class SharedRouting:
             sum_loads(replicas for _, replicas in self._loads[name].values()))
 
     async def _ask_if_missed(self) -> None:
-        """After an outage: if a stream lost entries this gateway had not read (trimmed past
-        its last id, or gone with a Redis that lost its data), ask the others to publish
-        their recent inserts again."""
-        missed = []
-        for pool, key in self.streams.items():
+        """After an outage: if a peer's stream lost entries this gateway had not read
+        (trimmed past its last id, or gone with a Redis that lost its data), ask the others,
+        on this gateway's own stream of that pool, to publish their recent inserts again."""
+        missed: list[str] = []
+        for key, pool in zip(self._reading, self._pool_of_stream.values(), strict=True):
             last = self.last_ids[key]
-            if last == "0-0":
+            if last == "0-0" or pool in missed:
                 continue  # never read anything: it reads whatever the stream holds
             try:
                 info = await self.link.client.xinfo_stream(key)

@@ -379,3 +379,103 @@ async def test_an_idle_gateway_writes_nothing_and_a_stopping_one_drops_its_load(
         await sa.stop()  # says it has nothing in flight any more
         await sb.read(None)
         assert router_b.load.remote == {}
+
+
+async def test_a_gateway_never_reads_its_own_entries_back(redis_server: RedisServer) -> None:
+    """Each gateway writes a stream of its own and reads only the others': its reader is not
+    woken by its own writes to parse and discard them (on one shared stream per pool, every
+    write of a busy gateway did that)."""
+    from routing.prompt import render_chat
+
+    async with two_states(redis_server) as (a, b):
+        sa, sb = a.shared, b.shared
+        assert sa.streams["realtime"] != sb.streams["realtime"]
+        received: dict[str, list[bytes]] = {"a": [], "b": []}
+        for name, s in (("a", sa), ("b", sb)):
+            def spy(stream: bytes, entries: list[Any], name: str = name,
+                    apply: Any = s._apply) -> str | None:
+                received[name] += [dict(_fields(raw))[b"g"] for _, raw in entries]
+                return apply(stream, entries)
+
+            s._apply = spy  # type: ignore[method-assign]
+        router_a = a.pool_by_name["realtime"].router
+        for i in range(3):
+            request = router_a.request_from_text(render_chat(chat(tenant_prompt(30 + i))))
+            router_a.route(request, [ReplicaView(name="rt-1")])
+            await sa.tick(True)
+        await sb.tick(True)
+        await sa.tick(False)
+        # A read only B's entry (its load), B all of A's: nobody its own.
+        assert received["a"] and set(received["a"]) == {sb.id.encode()}
+        assert len(received["b"]) >= 3 and set(received["b"]) == {sa.id.encode()}
+        router_b = b.pool_by_name["realtime"].router
+        assert router_b.matched_blocks("rt-1", request.hashes) == len(request.hashes)
+
+
+def _fields(raw: Any) -> list[tuple[bytes, Any]]:
+    if isinstance(raw, dict):
+        return list(raw.items())
+    return list(zip(raw[::2], raw[1::2], strict=True))
+
+
+async def test_a_gateway_started_later_is_read_and_a_silent_one_dropped(
+        redis_server: RedisServer) -> None:
+    """The gateways find each other in the registry: one that starts after the others is
+    read by them (its prefixes reach their index), and one that stopped heartbeating is
+    dropped from it (its streams are no longer read, and expire)."""
+    config = shared_config(redis_server.config())
+    async with gateway(config) as a:
+        shared_a = a.app.state.shared
+        # A alone has read the registry: nobody else is there.
+        await eventually(lambda: metric(a, "gateway_shared_state_up"))
+        assert shared_a.peers == frozenset()
+        async with gateway(config) as b:
+            shared_b = b.app.state.shared
+            await eventually(lambda: shared_a.peers == {shared_b.id})
+            body = chat(tenant_prompt(7))
+            replica = warm_elsewhere(b, body)
+            hashes = hashes_of(a, body)
+            router_a = a.app.state.pool_by_name["realtime"].router
+            await eventually(lambda: router_a.matched_blocks(replica, hashes) == len(hashes))
+            # A gateway that stopped without a word: its heartbeat ages past the limit.
+            redis = a.app.state.redis
+            await redis.zadd(shared_a.registry, {"gone": 1.0})
+            await eventually(lambda: _is_none(redis.zscore(shared_a.registry, "gone")))
+            assert "gone" not in shared_a.peers
+            # A's own streams expire unless it goes on heartbeating.
+            assert await redis.pttl(shared_a.streams["realtime"]) > 0
+
+
+async def _is_none(value: Any) -> bool:
+    return (await value) is None
+
+
+async def test_what_a_gateway_keeps_to_publish_again_is_nothing_the_collector_walks(
+        redis_server: RedisServer) -> None:
+    """The inserts kept for a resync are kept as written (bytes), not as the queued tuples
+    holding the requests' hash lists: thousands of those, live for seconds, made every
+    collector pass of a busy gateway walk them (+0.015 ms of CPU per request). A resync
+    still publishes them."""
+    import gc
+    import sys
+
+    async with two_states(redis_server) as (a, b):
+        sa, sb = a.shared, b.shared
+        router_a = a.pool_by_name["realtime"].router
+        hashes = [11, 22, 33]
+        refs = sys.getrefcount(hashes)
+        router_a.record("rt-2", hashes, 48.0)
+        assert sys.getrefcount(hashes) == refs + 1  # queued
+        await sa.tick(True)
+        assert sys.getrefcount(hashes) == refs  # written and kept: no longer held
+        gc.collect()
+        assert sa.recent and not any(gc.is_tracked(item) for item in sa.recent)
+        # B asks, A publishes its recent inserts again, B has them.
+        router_b = b.pool_by_name["realtime"].router
+        await sb.tick(True)
+        router_b.indexes["rt-2"].clear()
+        await sb.link.client.xadd(sb.streams["realtime"], {"g": sb.id, "q": "1"})
+        await sa.tick(False)  # reads B's request
+        await sa.tick(False)  # publishes again
+        await sb.tick(False)
+        assert router_b.matched_blocks("rt-2", hashes) == 3
