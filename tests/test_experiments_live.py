@@ -163,10 +163,12 @@ async def test_the_client_gets_what_it_would_without_the_mirror():
     served it) is the one a gateway without the experiment gives."""
     plain = ab_config()
     del plain["experiments"]
+    # One at a time: concurrent requests land where the timing of the others sends them, so
+    # which are cache hits (the usage's cached_tokens) would differ between any two runs.
     async with gateway(plain, time_scale=0.1, handlers=slow_sims(0.1)) as h:
-        without = answers(await run_requests(h, 40))
+        without = answers(await run_requests(h, 40, concurrency=1))
     async with gateway(ab_config(), time_scale=0.1, handlers=slow_sims(0.1)) as h:
-        mirrored = answers(await run_requests(h, 40))
+        mirrored = answers(await run_requests(h, 40, concurrency=1))
         await eventually(lambda: experiments_paired(h, 40))
     assert mirrored == without
 
