@@ -9,6 +9,12 @@ from contextlib import suppress
 from routing.steps import StepTimer
 from routing.types import ReplicaView
 
+RemoteLoad = tuple[int, float, float]
+"""Other gateways' load on a replica: (requests in flight, pending prefill tokens, of which
+presumably not yet computed)."""
+
+_NO_LOAD: RemoteLoad = (0, 0.0, 0.0)
+
 HEAD_CREDIT_MAX = 0.9
 """At most this share of the oldest pending request's prefill is presumed done before its
 first token arrives."""
@@ -34,21 +40,33 @@ class LoadTracker:
         computed: see `prefill_left`."""
         self._order: dict[str, deque[float]] = {}
         """Replica -> uncached tokens of its requests awaiting a first token, oldest first."""
-        self.remote: dict[str, tuple[int, float]] = {}
-        """Replica -> (in flight, pending prefill tokens) that other gateways sharing this
-        one's routing state report having put there; added to this gateway's own counts in
-        `view`, never to `inflight` or `pending_prefill` (what this gateway must finish)."""
+        self.remote: dict[str, RemoteLoad] = {}
+        """Replica -> (in flight, pending prefill tokens, of which left to compute) that other
+        gateways sharing this one's routing state report having put there; added to this
+        gateway's own counts in `view`, never to `inflight` or `pending_prefill` (what this
+        gateway must finish)."""
 
     def own_load(self) -> dict[str, list[float]]:
         """What this gateway has in flight, as it tells others: {replica: [requests, pending
-        prefill tokens]} for the replicas with requests."""
+        prefill tokens, of those presumably not yet computed (`prefill_left`)]} for the
+        replicas with requests. Others must see the same drained figure this gateway routes
+        on: counted whole, its long prompts would make a replica look busier to every other
+        gateway than to it, and they would spill away from it more than one gateway would."""
         pending = self.pending_prefill
-        return {r: [n, round(pending.get(r, 0.0), 1)] for r, n in self.inflight.items() if n > 0}
+        out: dict[str, list[float]] = {}
+        for r, n in self.inflight.items():
+            if n > 0:
+                p = pending.get(r, 0.0)
+                # What is presumed computed, in steps of 16 tokens: it grows every engine step,
+                # and each change of the figure is a write to the other gateways.
+                done = (p - self.prefill_left(r)) // 16.0 * 16.0 if p > 0.0 else 0.0
+                out[r] = [n, round(p, 1), round(p - done, 1)]
+        return out
 
-    def set_remote(self, loads: Mapping[str, tuple[int, float]]) -> None:
+    def set_remote(self, loads: Mapping[str, RemoteLoad]) -> None:
         """Replace the other gateways' load with `loads` (replicas absent: none)."""
-        self.remote = {r: (max(0, int(n)), max(0.0, float(p)))
-                       for r, (n, p) in loads.items() if n > 0 or p > 0}
+        self.remote = {r: (max(0, int(n)), max(0.0, float(p)), max(0.0, float(left)))
+                       for r, (n, p, left) in loads.items() if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float) -> None:
         self._order.setdefault(replica, deque()).append(uncached_tokens)
@@ -133,11 +151,11 @@ class LoadTracker:
         pending = self.pending_prefill.get(replica, 0.0)
         left = self.prefill_left(replica) if self.steps.rate > 0.0 else None
         if self.remote:
-            n, p = self.remote.get(replica, (0, 0.0))
+            n, p, remote_left = self.remote.get(replica, _NO_LOAD)
             inflight += n
             pending += p
             if left is not None:
-                left += p
+                left += remote_left
         return ReplicaView(
             name=replica,
             inflight=inflight,
@@ -148,11 +166,14 @@ class LoadTracker:
         )
 
 
-def sum_loads(loads: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, tuple[int, float]]:
-    """Other gateways' (or workers') `own_load`s summed per replica, for `set_remote`."""
-    total: dict[str, tuple[int, float]] = {}
+def sum_loads(loads: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RemoteLoad]:
+    """Other gateways' (or workers') `own_load`s summed per replica, for `set_remote`. An
+    entry without the drained figure (an older gateway's) counts its pending prefill whole."""
+    total: dict[str, RemoteLoad] = {}
     for replicas in loads:
-        for replica, (n, pending) in replicas.items():
-            n0, p0 = total.get(replica, (0, 0.0))
-            total[replica] = (n0 + int(n), p0 + float(pending))
+        for replica, entry in replicas.items():
+            n, pending = entry[0], float(entry[1])
+            left = float(entry[2]) if len(entry) > 2 else pending
+            n0, p0, l0 = total.get(replica, _NO_LOAD)
+            total[replica] = (n0 + int(n), p0 + pending, l0 + left)
     return total

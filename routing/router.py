@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from routing.hashing import char_block_hashes, key_hash
-from routing.load import LoadTracker
+from routing.load import LoadTracker, RemoteLoad
 from routing.policies import Policy
 from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
@@ -162,10 +162,11 @@ class Router:
                     tell(replica, uncached)
         return applied
 
-    def apply_remote_load(self, loads: Mapping[str, tuple[int, float]]) -> None:
+    def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
         """The load other gateways have put on each replica now: replica -> (requests in
-        flight, pending prefill tokens), replacing what they reported before. Routing sees
-        the sum of theirs and this router's own; `load.inflight` stays this router's own."""
+        flight, pending prefill tokens, of which left to compute), replacing what they
+        reported before. Routing sees the sum of theirs and this router's own; `load.inflight`
+        stays this router's own."""
         before = self.load.remote
         self.load.set_remote(loads)
         if self._tell_load:
@@ -201,6 +202,6 @@ class Router:
 
     def _load_update(self, replica: str) -> None:
         load = self.load
-        n, p = load.remote.get(replica, (0, 0.0))
+        n, p, _ = load.remote.get(replica, (0, 0.0, 0.0))
         self.policy.on_load_update(replica, load.inflight.get(replica, 0) + n,
                                    load.pending_prefill.get(replica, 0.0) + p)

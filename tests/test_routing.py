@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from routing import LoadTracker, PrefixIndex, Router, build_policy, char_block_hashes
+from routing.load import sum_loads
 from routing.policies import load_bound
 from routing.prompt import render_chat
 from routing.steps import StepTimer
@@ -378,7 +379,7 @@ def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
 def test_remote_load_adds_to_the_view_but_not_to_own_counts() -> None:
     router = make_router(load_factor=100.0)
     router.load.dispatched("r0", 100.0)
-    router.apply_remote_load({"r0": (3, 500.0), "r1": (2, 0.0), "r2": (0, 0.0)})
+    router.apply_remote_load({"r0": (3, 500.0, 500.0), "r1": (2, 0.0, 0.0), "r2": (0, 0.0, 0.0)})
     v0, v1, v2 = (router.load.view(n) for n in ("r0", "r1", "r2"))
     assert (v0.inflight, v0.pending_prefill_tokens) == (4, 600.0)
     assert (v1.inflight, v1.pending_prefill_tokens) == (2, 0.0)
@@ -386,7 +387,7 @@ def test_remote_load_adds_to_the_view_but_not_to_own_counts() -> None:
     # What this gateway itself must finish (drain waits on it) is its own count only.
     assert router.load.inflight == {"r0": 1}
     # A new report replaces the previous one entirely.
-    router.apply_remote_load({"r1": (1, 10.0)})
+    router.apply_remote_load({"r1": (1, 10.0, 10.0)})
     assert router.load.view("r0").inflight == 1
     assert router.load.view("r1").pending_prefill_tokens == 10.0
 
@@ -396,7 +397,7 @@ def test_remote_load_pushes_new_work_elsewhere() -> None:
     text = chat_text(system_prompt(8), "a")
     home = router.route(router.request_from_text(text), idle()).replica
     # Other gateways have queued a large prefill on this router's home replica.
-    router.apply_remote_load({home: (1, 50_000.0)})
+    router.apply_remote_load({home: (1, 50_000.0, 50_000.0)})
     for i in range(10):
         req = router.request_from_text(chat_text(system_prompt(400 + i), "b"))
         views = [router.load.view(n) for n in REPLICAS]
@@ -422,6 +423,28 @@ def test_pending_prefill_drains_while_the_oldest_request_prefills() -> None:
     assert load.view("r0").pending_prefill_tokens == 42_000.0  # the raw count is untouched
     load.first_token("r0", 40_000.0)
     assert load.view("r0").prefill_left_tokens == 2_000.0  # the next one starts from scratch
+
+
+def test_other_gateways_see_the_drained_prefill_this_one_routes_on() -> None:
+    # Gateway A has a 40k-token prompt nearly through its prefill on r0; gateway B, sharing
+    # A's load, must see what A sees of it, not the whole prompt (counted whole, B spilled
+    # away from replicas A had busy far more often than one gateway would).
+    a = LoadTracker(prefill_tokens_per_s=10_000.0)
+    a.steps._decode.observe(1, 0.040)
+    a.dispatched("r0", 40_000.0)
+    for i in range(8):
+        a.chunk("r0", 0.5 * i)
+    drained = a.view("r0").prefill_left_tokens
+    assert drained is not None and drained < 40_000.0 - 30_000.0
+    b = LoadTracker(prefill_tokens_per_s=10_000.0)
+    b.set_remote(sum_loads([a.own_load()]))
+    seen = b.view("r0")
+    assert seen.pending_prefill_tokens == 40_000.0  # the raw count travels too
+    # Within the 16 tokens the published figure is rounded to.
+    assert drained <= seen.prefill_left_tokens < drained + 16.0
+    # An entry without the drained figure (an older gateway's) counts its prefill whole.
+    b.set_remote(sum_loads([{"r0": [1, 40_000.0]}]))
+    assert b.view("r0").prefill_left_tokens == 40_000.0
 
 
 def test_no_drain_without_a_rate_or_while_only_decoding() -> None:
