@@ -73,6 +73,9 @@ DEFAULT_KV_CAPACITY_TOKENS = 512_000
 DEFAULT_ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block
 DEFAULT_MAX_OUTPUT = 1024
 SAMPLE_INTERVAL_S = 0.5
+# The gateway scrapes every replica's /metrics this often (HealthSettings.metrics_interval_s):
+# policies see the engine's own queue and KV usage as of the last scrape, not as they are now.
+DEFAULT_METRICS_INTERVAL_S = 5.0
 
 REPORT_KEYS = (
     "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
@@ -246,10 +249,16 @@ def run_pool(
     policy_params: dict[str, Any] | None = None,
     only: Sequence[int] | None = None,
     policy_factory: PolicyFactory = make_policy,
+    metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
-    happened."""
+    happened.
+
+    Every `metrics_interval_s` from the first arrival the engines are scraped as the gateway
+    scrapes them, and each view carries the last scrape's waiting count and KV usage
+    (`ReplicaView.engine_waiting`, `kv_usage`); None: never scraped, as a gateway that cannot
+    read the engines' metrics."""
     settings = settings or RoutingSettings()
     profs = list(profiles)
     replicas = len(profs)
@@ -299,6 +308,20 @@ def run_pool(
                 inflight_ratios.append(max(loads) / mean)
             next_sample += SAMPLE_INTERVAL_S
 
+    # The last scrape of each engine: (waiting, KV usage), None before the first.
+    scraped: list[tuple[int, float] | None] = [None] * replicas
+    next_scrape = (reqs[order[0]].timestamp_s if order else 0.0) + (metrics_interval_s or 0.0)
+
+    def scrape_until(t: float) -> None:
+        nonlocal next_scrape
+        if not metrics_interval_s:
+            return
+        while next_scrape < t:
+            for k, e in enumerate(engine_list):
+                stats = e.stats()
+                scraped[k] = (stats.waiting, stats.kv_usage)
+            next_scrape += metrics_interval_s
+
     heap: list[tuple[float, int]] = []
     scheduled: list[float | None] = [None] * replicas
 
@@ -339,6 +362,7 @@ def run_pool(
             if scheduled[i] != t:
                 continue  # superseded
             sample_until(t)
+            scrape_until(t)
             step(t, i)
 
     for rid in order:
@@ -349,7 +373,11 @@ def run_pool(
         sample_until(now)
         inflight_at_arrival[rid] = sum(e.num_running + e.num_waiting for e in engine_list)
         rr = routing_reqs[rid]
+        scrape_until(now)
         views = [router.load.view(name, now) for name in names]
+        for view, snap in zip(views, scraped, strict=True):
+            if snap is not None:  # as Pool._views fills them from the last scrape
+                view.engine_waiting, view.kv_usage = snap
         if oracle is not None:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         decision = router.route(rr, views)
@@ -385,6 +413,7 @@ def simulate(
     fleet: Sequence[ReplicaProfile] | None = None,
     timeline: bool = False,
     policy_factory: PolicyFactory = make_policy,
+    metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order).
@@ -401,7 +430,7 @@ def simulate(
     run = run_pool(workload, policy, profiles=profs, kv_capacity_tokens=kv_capacity_tokens,
                    max_output=max_output, engine_block_tokens=engine_block_tokens,
                    settings=settings, policy_params=policy_params,
-                   policy_factory=policy_factory)
+                   policy_factory=policy_factory, metrics_interval_s=metrics_interval_s)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -485,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     ap.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT)
     ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
+    ap.add_argument("--metrics-interval-s", type=float, default=DEFAULT_METRICS_INTERVAL_S,
+                    help="how often the gateway scrapes the engines' metrics, which policies "
+                         "see as ReplicaView.engine_waiting and kv_usage (0: never)")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -508,7 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = simulate(workload, name, kv_capacity_tokens=args.kv_capacity_tokens,
                           profile=args.profile, max_output=args.max_output,
                           engine_block_tokens=args.engine_block_tokens,
-                          settings=settings[name], fleet=fleet)
+                          settings=settings[name], fleet=fleet,
+                          metrics_interval_s=args.metrics_interval_s or None)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

@@ -568,3 +568,21 @@ def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:
     assert pair(shared=True) == ("r0", "r0")
     apart = pair(shared=False)
     assert apart[0] == "r0" and apart[1] != "r0"  # what sharing only the index gave
+
+
+def test_a_replica_whose_engine_reports_requests_waiting_is_not_credited_the_drain() -> None:
+    # Every replica has sent 20k tokens of prefill that the learned rate says are computed by
+    # now; r1's engine says requests are waiting with its KV cache nearly full, so it cannot
+    # admit them and what it was sent is not being computed: counted whole, cold prompts avoid
+    # it. With KV to spare the queue is ordinary and drains; with the setting off, likewise.
+    def spread(stops: bool, kv_usage: float) -> Counter[str]:
+        router = make_router(load_factor=100.0, waiting_stops_drain=stops, balance_horizon=0)
+        views = [ReplicaView(name=n, inflight=4, pending_prefill_tokens=20_000.0,
+                             prefill_left_tokens=0.0, engine_waiting=3 if n == "r1" else 0,
+                             kv_usage=kv_usage if n == "r1" else 0.5) for n in REPLICAS]
+        return Counter(router.route(router.request_from_text(
+            chat_text(system_prompt(900 + i), "q")), views).replica for i in range(60))
+
+    assert spread(True, 0.95)["r1"] == 0
+    assert spread(True, 0.5)["r1"] > 5
+    assert spread(False, 0.95)["r1"] > 5

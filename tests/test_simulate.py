@@ -288,3 +288,50 @@ def test_cli_takes_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
     assert '"prefill_time_imbalance"' in out
     with pytest.raises(SystemExit):
         main(["--workload", "tenants", "--replicas", "3", "--fleet", "llama-8b-h200:2"])
+
+
+def test_views_carry_the_engines_last_scraped_queue_and_kv_usage() -> None:
+    """As the gateway scrapes /metrics every few seconds, a policy sees the engine's queue
+    and KV usage as of the last scrape: nothing before the first one, then values that only
+    change at scrape times; with no scraping, never anything."""
+    from backends.sim.profiles import PROFILES
+    from loadtests.simulate import make_policy, run_pool
+
+    workload = load_workload(workload="tenants", params={
+        "n_tenants": 60, "n_requests": 300, "rate_per_s": 40})
+    start = workload.requests[0].timestamp_s
+
+    def seen(interval: float | None) -> list[tuple[float, list[tuple[int, float | None]]]]:
+        got: list[tuple[float, list[tuple[int, float | None]]]] = []
+
+        def factory(name, settings, engines, overrides):  # type: ignore[no-untyped-def]
+            policy = make_policy(name, settings, engines, overrides)
+            choose = policy.choose
+
+            def recording(request, views, lookup):  # type: ignore[no-untyped-def]
+                got.append((views[0].engine_waiting, [(v.engine_waiting, v.kv_usage)
+                                                      for v in views]))
+                return choose(request, views, lookup)
+
+            policy.choose = recording  # type: ignore[method-assign]
+            return policy
+
+        run_pool(workload, "least_load", profiles=[PROFILES["qwen-32b-h200"]] * 2,
+                 kv_capacity_tokens=64_000, policy_factory=factory,
+                 metrics_interval_s=interval)
+        return [(workload.requests[i].timestamp_s - start, views)
+                for i, (_, views) in enumerate(got)]
+
+    scraped = seen(2.0)
+    assert all(v == (0, None) for t, views in scraped if t <= 2.0 for v in views)
+    after = [(t, views) for t, views in scraped if t > 2.0]
+    assert after and all(kv is not None and 0.0 < kv <= 1.0 for _, views in after
+                         for _, kv in views)
+    assert any(w > 0 for _, views in after for w, _ in views)  # the small caches fill
+    # Constant between scrapes: all views within one 2 s period agree.
+    by_period: dict[int, set[str]] = {}
+    for t, views in after:
+        by_period.setdefault(int(t // 2.0), set()).add(repr(views))
+    assert all(len(v) == 1 for v in by_period.values())
+    assert len({repr(views) for _, views in after}) > 1
+    assert all(v == (0, None) for _, views in seen(None) for v in views)

@@ -48,6 +48,13 @@ class PrefixAffinitySettings(PolicySettings):
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
+    waiting_stops_drain: bool = Field(True, description="while a replica's engine reports "
+                                      "requests waiting, count its pending prefill whole: "
+                                      "what it has queued is not being computed")
+    waiting_kv_usage: float = Field(0.9, ge=0.0, le=1.0, description="KV usage "
+                                    "(ReplicaView.kv_usage) from which requests waiting mean "
+                                    "the engine cannot admit them; below it, or unknown, they "
+                                    "are an ordinary queue that drains at its prefill rate")
 
 
 @register
@@ -100,6 +107,8 @@ class PrefixAffinity(Policy):
         self._decisions = 0
         self.drain_pending = s.drain_pending
         self._speeds = SpeedBook(s.replica_speed)
+        self.waiting_stops_drain = s.waiting_stops_drain
+        self.waiting_kv_usage = s.waiting_kv_usage
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -190,9 +199,15 @@ class PrefixAffinity(Policy):
     def _pending(self, r: ReplicaView) -> float:
         """The replica's queued prefill: drained at the learned rate when that is on and
         known (a long prompt mostly computed no longer counts whole)."""
-        if self.drain_pending and r.prefill_left_tokens is not None:
+        if (self.drain_pending and r.prefill_left_tokens is not None
+                and not (self.waiting_stops_drain and self._blocked(r))):
             return r.prefill_left_tokens
         return r.pending_prefill_tokens
+
+    def _blocked(self, r: ReplicaView) -> bool:
+        """Whether r's engine, as last scraped, has requests it cannot admit for want of KV."""
+        return r.engine_waiting > 0 and (self.waiting_kv_usage <= 0.0 or (
+            r.kv_usage is not None and r.kv_usage >= self.waiting_kv_usage))
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         # Here rather than in choose(), so that a retry's prefill counts on the replica that
