@@ -41,7 +41,7 @@ from backends.sim.fleet_spec import (
 )
 from backends.sim.profiles import PROFILES, LatencyProfile, fastest
 from backends.sim.prompt import estimate_tokens
-from gateway.config import RoutingSettings
+from gateway.config import HealthSettings, RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
 from loadtests.report import text_table
 from loadtests.settings import add_routing_settings, add_workload_param
@@ -73,9 +73,9 @@ DEFAULT_KV_CAPACITY_TOKENS = 512_000
 DEFAULT_ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block
 DEFAULT_MAX_OUTPUT = 1024
 SAMPLE_INTERVAL_S = 0.5
-# The gateway scrapes every replica's /metrics this often (HealthSettings.metrics_interval_s):
-# policies see the engine's own queue and KV usage as of the last scrape, not as they are now.
-DEFAULT_METRICS_INTERVAL_S = 5.0
+# The gateway scrapes every replica's /metrics this often by default: policies see the
+# engine's own queue and KV usage as of the last scrape, not as they are now.
+DEFAULT_METRICS_INTERVAL_S: float = HealthSettings.model_fields["metrics_interval_s"].default
 
 REPORT_KEYS = (
     "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
