@@ -139,8 +139,10 @@ class WorkerLoad:
     def pause_s(self) -> float:
         """How long to wait before the next tick: `interval_s` while this worker or another
         has requests in flight (or this one's file still shows some), else `idle_interval_s`."""
-        if self._own != b"{}" or self.own_load() != b"{}" or any(
-                value.get("p") for value in self._theirs.values()):
+        # Its own requests counted directly: own_load() would serialise them once more per
+        # tick, beside tick()'s own.
+        busy = any(n for pool in self.pools for n in pool.router.load.inflight.values())
+        if busy or self._own != b"{}" or any(value.get("p") for value in self._theirs.values()):
             return self.interval_s
         return self.idle_interval_s
 
