@@ -237,6 +237,22 @@ class PoolRun:
         return sum(e.cache.hit_tokens for e in self.engines) / query if query else None
 
 
+def _every(interval_s: float, first_s: float, action: Callable[[], None]
+           ) -> Callable[[float], None]:
+    """A function of time `t` that runs `action` once for each multiple of `interval_s`
+    after `first_s` (included) that lies before `t` and has not run yet: what the gateway's
+    periodic readings would have seen by then."""
+    due = first_s
+
+    def until(t: float) -> None:
+        nonlocal due
+        while due < t:
+            action()
+            due += interval_s
+
+    return until
+
+
 def run_pool(
     workload: Workload,
     policy: str = "prefix_affinity",
@@ -297,30 +313,26 @@ def run_pool(
     # As the HTTP replay samples the replicas' /metrics: every 0.5 s, max over mean of
     # running + waiting, kept when the mean is at least 1; the report takes the peak.
     inflight_ratios: list[float] = []
-    next_sample = reqs[order[0]].timestamp_s if order else 0.0
+    start = reqs[order[0]].timestamp_s if order else 0.0
 
-    def sample_until(t: float) -> None:
-        nonlocal next_sample
-        while next_sample < t:
-            loads = [e.num_running + e.num_waiting for e in engine_list]
-            mean = sum(loads) / replicas
-            if mean >= 1:
-                inflight_ratios.append(max(loads) / mean)
-            next_sample += SAMPLE_INTERVAL_S
+    def sample() -> None:
+        loads = [e.num_running + e.num_waiting for e in engine_list]
+        mean = sum(loads) / replicas
+        if mean >= 1:
+            inflight_ratios.append(max(loads) / mean)
+
+    sample_until = _every(SAMPLE_INTERVAL_S, start, sample)
 
     # The last scrape of each engine: (waiting, KV usage), None before the first.
     scraped: list[tuple[int, float] | None] = [None] * replicas
-    next_scrape = (reqs[order[0]].timestamp_s if order else 0.0) + (metrics_interval_s or 0.0)
 
-    def scrape_until(t: float) -> None:
-        nonlocal next_scrape
-        if not metrics_interval_s:
-            return
-        while next_scrape < t:
-            for k, e in enumerate(engine_list):
-                stats = e.stats()
-                scraped[k] = (stats.waiting, stats.kv_usage)
-            next_scrape += metrics_interval_s
+    def scrape() -> None:
+        for k, e in enumerate(engine_list):
+            stats = e.stats()
+            scraped[k] = (stats.waiting, stats.kv_usage)
+
+    scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
+                    if metrics_interval_s else lambda t: None)
 
     heap: list[tuple[float, int]] = []
     scheduled: list[float | None] = [None] * replicas
