@@ -592,25 +592,27 @@ def route_follow_up(settings: dict | None = None, **view) -> Decision:
     return router.route(router.request_from_text(chat_text(system_prompt(31), "next")), views)
 
 
-@pytest.mark.parametrize("speed_bound", [True, False])
+@pytest.mark.parametrize("speed_bound", [0.75, None])
 def test_a_fast_replica_keeps_its_prefix_with_more_in_flight_than_the_mean(
-        speed_bound: bool) -> None:
+        speed_bound: float | None) -> None:
     # r0 is four times as fast as the others, so at the same load it holds more requests in
     # flight: 20 against 5. With one bound for all (ceil(1.25 x 36 / 4) + 4 = 16) it is
     # over it, and the request for the prefix it holds goes to a slow replica as a miss;
     # scaled by its speed over the mean speed, its bound is 30 and the request stays.
     decision = route_follow_up({"speed_bound": speed_bound}, speed=(1.6, 0.4))
-    if speed_bound:
+    if speed_bound is not None:
         assert (decision.replica, decision.reason) == ("r0", REASON_AFFINITY)
     else:
         assert decision.reason == REASON_OVERFLOW and decision.replica != "r0"
 
 
-def test_the_bound_is_raised_only_while_every_slower_replica_has_prefill_queued() -> None:
-    # The slow replicas idle: a request turned away from r0 is prefilled at once elsewhere,
-    # and the common bound (16) keeps r0 from taking all the prefill.
+def test_the_bound_is_raised_only_on_a_busy_fleet_whose_slower_replicas_are_queued() -> None:
+    # The slow replicas idle: a request turned away from r0 is prefilled at once there, and
+    # the common bound (16) keeps r0 from taking all the prefill.
     idle_slow = route_follow_up(speed=(1.6, 0.4), pending_prefill_tokens=(0.0, 0.0))
     assert idle_slow.reason == REASON_OVERFLOW
+    # Three of four replicas queued is not busy enough for a bound of 1.0 (every replica).
+    assert route_follow_up({"speed_bound": 1.0}, speed=(1.6, 0.4)).reason == REASON_OVERFLOW
 
 
 def test_the_bound_is_never_lowered_and_equal_speeds_keep_the_common_one() -> None:

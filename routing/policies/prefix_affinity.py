@@ -49,12 +49,13 @@ class PrefixAffinitySettings(PolicySettings):
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
-    speed_bound: bool = Field(True, description="while every replica slower than the "
-                              "replicas' mean speed has prefill queued, raise a faster "
-                              "replica's bounded-load limit by its speed over that mean: it "
-                              "holds more requests in flight at the same load, and the common "
-                              "limit sends the requests for its cached prefixes to queued slow "
-                              "replicas as misses; with replica_speed only")
+    speed_bound: float | None = Field(
+        0.75, ge=0.0, le=1.0, description="share of replicas with prefill queued from which, "
+        "while every replica slower than the replicas' mean speed has prefill queued too, a "
+        "faster replica's bounded-load limit is raised by its speed over that mean: it holds "
+        "more requests in flight at the same load, and the common limit sends the requests for "
+        "its cached prefixes to queued slow replicas as misses (None: never; with "
+        "replica_speed only)")
     busy_speed: bool = Field(True, description="until a replica's own prefill rate is "
                              "learned from its steps (which a standing queue can hold off for "
                              "minutes), speed_bound takes its speed from its throughput while "
@@ -78,9 +79,9 @@ class PrefixAffinity(Policy):
        ceil(c * mean) + `load_allowance` are eligible, so a hot system prompt spreads over a
        few replicas instead of melting one. The allowance keeps the bound from bouncing
        requests off their cache at small counts (2 in flight per replica gives a bound of 3).
-       A replica faster than the replicas' mean speed may hold proportionally more while
-       the slower ones all have prefill queued (`speed_bound`): at the same load it has more
-       in flight.
+       On a busy fleet whose slower replicas all have prefill queued, a replica faster than
+       the replicas' mean speed may hold proportionally more (`speed_bound`): at the same
+       load it has more in flight.
     2. Cost, in prompt tokens: the request's uncached tokens on the replica (from the prefix
        index), plus `load_weight` times the weighted queue there, where the queue is the
        uncached prefill already sent and not yet past first token plus `inflight_tokens` per
@@ -121,7 +122,7 @@ class PrefixAffinity(Policy):
         self._decisions = 0
         self.drain_pending = s.drain_pending
         self._speeds = SpeedBook(s.replica_speed)
-        self.speed_bound = s.replica_speed and s.speed_bound
+        self.speed_bound = s.speed_bound if s.replica_speed else None
         self.busy_speed = s.busy_speed
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
@@ -137,9 +138,9 @@ class PrefixAffinity(Policy):
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
         speeds = [self._speeds.see(r) for r in replicas]
-        bounds = self._bounds(replicas)
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
+        bounds = self._bounds(replicas, busy)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
         self._decisions += 1
@@ -199,19 +200,21 @@ class PrefixAffinity(Policy):
             fallbacks=[row[5] for row in others],
         )
 
-    def _bounds(self, replicas: Sequence[ReplicaView]) -> list[int]:
-        """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. With
-        `speed_bound`, while every replica slower than the replicas' mean speed has prefill
-        queued, one faster than that mean gets the mean scaled by its speed over it instead.
+    def _bounds(self, replicas: Sequence[ReplicaView], busy: float) -> list[int]:
+        """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
+        `speed_bound` of the replicas have prefill queued (`busy`) and every replica slower
+        than the replicas' mean speed is among them, one faster than that mean gets the mean
+        scaled by its speed over it instead.
 
         Never lower: a slow replica's share is its price's business (its queue at its speed),
-        and a lower limit there moved misses onto the others. Only while the slow replicas
-        are all queued: what the common limit turns away from a fast replica is then a miss
-        that waits behind a slow queue; with a slow replica idle it is prefill the idle one
-        takes at once, and the common limit keeps the fast ones from taking all the prefill
-        (imbalance by time 1.15 against 1.19 on the mixed fleet's tenants at light load)."""
+        and a lower limit there moved misses onto the others. Only on a busy fleet whose slow
+        replicas are all queued: what the common limit turns away from a fast replica is then
+        a miss that waits behind a slow queue and takes KV cache from a second replica. With
+        a slow replica idle, or most replicas idle, it is prefill taken at once, and the
+        common limit keeps the fast replicas from taking all the prefill (prefill imbalance
+        by time past 1.15 on the mixed fleet's tenants otherwise)."""
         common = load_bound(replicas, self.load_factor)
-        if self.speed_bound:
+        if self.speed_bound is not None and busy >= self.speed_bound:
             speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
                       else r.speed if r.speed > 0.0 else 1.0 for r in replicas]
             mean_speed = sum(speeds) / len(speeds)
