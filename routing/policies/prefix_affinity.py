@@ -206,13 +206,14 @@ class PrefixAffinity(Policy):
         than the replicas' mean speed is among them, one faster than that mean gets the mean
         scaled by its speed over it instead.
 
-        Never lower: a slow replica's share is its price's business (its queue at its speed),
-        and a lower limit there moved misses onto the others. Only on a busy fleet whose slow
-        replicas are all queued: what the common limit turns away from a fast replica is then
-        a miss that waits behind a slow queue and takes KV cache from a second replica. With
-        a slow replica idle, or most replicas idle, it is prefill taken at once, and the
-        common limit keeps the fast replicas from taking all the prefill (prefill imbalance
-        by time past 1.15 on the mixed fleet's tenants otherwise)."""
+        Never lower: a slow replica's share is its price's business (its queue at its speed);
+        scaled both ways, the limits put more prefill time on the slow replica of the slow
+        fleet (tenants at heavy load: imbalance by time 1.15 to 1.20). Only on a busy fleet
+        whose slow replicas are all queued: what the common limit turns away from a fast
+        replica is then a miss that waits behind a slow queue and takes KV cache from a
+        second replica. With a slow replica idle, or most replicas idle, it is prefill taken
+        at once, and the common limit keeps the fast replicas from taking all the prefill
+        (prefill imbalance by time past 1.15 on the mixed fleet's tenants otherwise)."""
         common = load_bound(replicas, self.load_factor)
         if self.speed_bound is not None and busy >= self.speed_bound:
             speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
