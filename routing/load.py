@@ -163,6 +163,7 @@ class LoadTracker:
             step_wait_tokens=wait,
             prefill_left_tokens=left,
             speed=self.steps.speed(replica),
+            busy_speed=self.steps.busy_speed(replica),
         )
 
 

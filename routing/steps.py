@@ -53,8 +53,8 @@ class StepTimer:
     step outweigh cache hits and queues.
     """
 
-    __slots__ = ("_decode", "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens",
-                 "_reference", "_replicas")
+    __slots__ = ("_busy", "_busy_reference", "_decode", "_fixed_rate", "_rate_samples",
+                 "_rate_seconds", "_rate_tokens", "_reference", "_replicas")
 
     def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
         self._fixed_rate = prefill_tokens_per_s
@@ -64,6 +64,8 @@ class StepTimer:
         self._rate_samples = 0
         self._decode = DecodeFit()
         self._reference: float | None = None  # the median replica's own rate, when fresh
+        self._busy: dict[str, _Busy] = {}
+        self._busy_reference: float | None = None  # the median replica's busy rate, when fresh
 
     @property
     def rate(self) -> float:
@@ -99,6 +101,33 @@ class StepTimer:
         if reference is None:
             reference = self._reference = statistics.median(self.replica_rates().values())
         speed = own / reference
+        return speed if not 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE else 1.0
+
+    def busy_speed(self, replica: str) -> float | None:
+        """The replica's prefill throughput while busy over the median replica's, or None
+        while its own rate is learned (`speed` holds) or it has fewer than SPEED_MIN_SAMPLES
+        first tokens; 1.0 within SPEED_TOLERANCE of the median, and always with a configured
+        rate.
+
+        A replica's own rate is learned only from steps that carried a whole prefill sent
+        just before them, which a standing queue never produces: under load a replica can go
+        minutes without one. Its throughput needs no such step: each first token there
+        completed its uncached tokens in the time since it was sent or since the replica's
+        previous first token, whichever is later. That time also holds the decode work of
+        the steps between, so it understates the rate, on every replica alike."""
+        if self._fixed_rate is not None:
+            return 1.0
+        if self.replica_rate(replica) is not None:
+            return None
+        own = self._busy.get(replica)
+        if own is None or own.samples < SPEED_MIN_SAMPLES or own.seconds <= 0.0:
+            return None
+        reference = self._busy_reference
+        if reference is None:
+            reference = self._busy_reference = statistics.median(
+                b.tokens / b.seconds for b in self._busy.values()
+                if b.samples >= SPEED_MIN_SAMPLES and b.seconds > 0.0)
+        speed = own.tokens / own.seconds / reference
         return speed if not 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE else 1.0
 
     @property
@@ -207,6 +236,7 @@ class StepTimer:
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
                      dispatched_at: float) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk)."""
+        self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
                                                                       self._same_step_s(r)):
@@ -222,6 +252,22 @@ class StepTimer:
         else:
             r.prefill = None
 
+    def _busy_done(self, replica: str, uncached_tokens: float, now: float,
+                   dispatched_at: float) -> None:
+        """Throughput while busy (`busy_speed`): the request's prefill took the time since it
+        was sent or since the replica's previous first token, whichever is later."""
+        b = self._busy.get(replica)
+        if b is None:
+            b = self._busy[replica] = _Busy()
+        start = dispatched_at if b.last is None or b.last < dispatched_at else b.last
+        b.last = now
+        if now > start:
+            keep = 1.0 - 1.0 / DECAY_SAMPLES
+            b.tokens = b.tokens * keep + uncached_tokens
+            b.seconds = b.seconds * keep + (now - start)
+            b.samples += 1
+            self._busy_reference = None
+
     def idle(self, replica: str) -> None:
         """Nothing in flight there: the next chunk starts a new run of steps, not a gap."""
         r = self._replicas.get(replica)
@@ -232,7 +278,8 @@ class StepTimer:
     def forget(self, replica: str) -> None:
         """The replica left the pool: its step timing goes."""
         self._replicas.pop(replica, None)
-        self._reference = None
+        self._busy.pop(replica, None)
+        self._reference = self._busy_reference = None
 
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
@@ -284,6 +331,18 @@ class _Steps:
         self.rate_seconds = 0.0
         self.rate_samples = 0
         self.decode = DecodeFit()
+
+
+class _Busy:
+    """One replica's prefill throughput while busy, decayed as the rate fits are."""
+
+    __slots__ = ("last", "samples", "seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = 0.0  # uncached tokens of its first tokens
+        self.seconds = 0.0  # the time each of them took (see `StepTimer._busy_done`)
+        self.samples = 0
+        self.last: float | None = None  # when its last first token came
 
 
 class DecodeFit:

@@ -41,6 +41,9 @@ class ReplicaView:
     speed: float = 1.0
     """Its learned prefill rate over its pool's (1.0 until learned): 0.33 for a replica three
     times slower than the pool's mean, so a policy can price its prefill by its own rate."""
+    busy_speed: float | None = None
+    """Until `speed` is learned, its prefill throughput while busy over the pool's median
+    (1.0 within the same tolerance); None once `speed` is learned, or before either is."""
 
 
 @dataclass(slots=True)

@@ -11,7 +11,13 @@ from routing.load import sum_loads
 from routing.policies import load_bound
 from routing.prompt import render_chat
 from routing.steps import StepTimer
-from routing.types import REASON_AFFINITY, REASON_COLD, REASON_OVERFLOW, ReplicaView
+from routing.types import (
+    REASON_AFFINITY,
+    REASON_COLD,
+    REASON_OVERFLOW,
+    Decision,
+    ReplicaView,
+)
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -535,6 +541,94 @@ def test_a_slow_replica_is_charged_its_queue_at_its_own_speed() -> None:
 
     assert spread(True)["r3"] == 0
     assert spread(False)["r3"] > 5
+
+
+def feed_standing_queue(load: LoadTracker, name: str, requests: int, seconds_each: float,
+                        tokens: float = 4000.0) -> None:
+    """A replica with a standing queue: every request is sent at time 0 and they get their
+    first tokens one after another, `seconds_each` apart, with no engine step ever timed (no
+    step carries a prefill sent just before it, so no own rate is learned)."""
+    for _ in range(requests):
+        load.dispatched(name, tokens)
+    for i in range(requests):
+        load.first_token(name, tokens, now=seconds_each * (i + 1), dispatched_at=0.0)
+
+
+def test_under_a_standing_queue_a_replica_gets_a_busy_speed_before_its_own_rate() -> None:
+    # r3 completes 4,000-token prefills three times slower than the others; none of them
+    # ever shows a step from which its own rate could be learned.
+    load = LoadTracker()
+    for name in REPLICAS:
+        feed_standing_queue(load, name, 30, 0.6 if name == "r3" else 0.2)
+    assert load.steps.replica_rate("r3") is None
+    assert load.view("r3").speed == 1.0
+    assert load.view("r3").busy_speed == pytest.approx(1 / 3)
+    assert load.view("r0").busy_speed == 1.0  # within the tolerance of the median
+    few = LoadTracker()
+    feed_standing_queue(few, "r0", 3, 0.2)
+    assert few.view("r0").busy_speed is None  # too few first tokens yet
+    fixed = LoadTracker(prefill_tokens_per_s=9000.0)
+    feed_standing_queue(fixed, "r3", 30, 0.6)
+    assert fixed.view("r3").busy_speed == 1.0
+    # Once the replica's own rate is learned, its speed says it and busy_speed steps aside.
+    learned = LoadTracker()
+    for name in REPLICAS:
+        feed_replica(learned, name, 40, 0.05, 0.05)
+    assert learned.view("r0").busy_speed is None
+
+
+def route_follow_up(settings: dict | None = None, **view) -> Decision:
+    """r0 holds a prefix and has 20 requests in flight, the others 5 each and (unless `view`
+    says otherwise) 2,000 tokens of prefill queued; the decision for the next request with
+    that prefix under prefix_affinity with `settings`, each view's other fields from `view`
+    (a value for r0 and one for the rest)."""
+    view.setdefault("pending_prefill_tokens", (0.0, 2000.0))
+    router = make_router(balance_horizon=0, **(settings or {}))
+    router.route(router.request_from_text(chat_text(system_prompt(31), "q")),
+                 [ReplicaView(name="r0")])
+    views = [ReplicaView(name=n, inflight=20 if n == "r0" else 5,
+                         **{k: v[0] if n == "r0" else v[1] for k, v in view.items()})
+             for n in REPLICAS]
+    return router.route(router.request_from_text(chat_text(system_prompt(31), "next")), views)
+
+
+@pytest.mark.parametrize("speed_bound", [0.75, None])
+def test_a_fast_replica_keeps_its_prefix_with_more_in_flight_than_the_mean(
+        speed_bound: float | None) -> None:
+    # r0 is four times as fast as the others, so at the same load it holds more requests in
+    # flight: 20 against 5. With one bound for all (ceil(1.25 x 36 / 4) + 4 = 16) it is
+    # over it, and the request for the prefix it holds goes to a slow replica as a miss;
+    # scaled by its speed over the mean speed, its bound is 30 and the request stays.
+    decision = route_follow_up({"speed_bound": speed_bound}, speed=(1.6, 0.4))
+    if speed_bound is not None:
+        assert (decision.replica, decision.reason) == ("r0", REASON_AFFINITY)
+    else:
+        assert decision.reason == REASON_OVERFLOW and decision.replica != "r0"
+
+
+def test_the_bound_is_raised_only_on_a_busy_fleet_whose_slower_replicas_are_queued() -> None:
+    # The slow replicas idle: a request turned away from r0 is prefilled at once there, and
+    # the common bound (16) keeps r0 from taking all the prefill.
+    idle_slow = route_follow_up(speed=(1.6, 0.4), pending_prefill_tokens=(0.0, 0.0))
+    assert idle_slow.reason == REASON_OVERFLOW
+    # Three of four replicas queued is not busy enough for a bound of 1.0 (every replica).
+    assert route_follow_up({"speed_bound": 1.0}, speed=(1.6, 0.4)).reason == REASON_OVERFLOW
+
+
+def test_the_bound_is_never_lowered_and_equal_speeds_keep_the_common_one() -> None:
+    # r0 the slow one: its bound stays the common one (16), which 20 in flight exceeds.
+    assert route_follow_up(speed=(0.4, 1.6)).reason == REASON_OVERFLOW
+    assert route_follow_up(speed=(1.0, 1.0)).reason == REASON_OVERFLOW
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_until_speeds_are_learned_the_bound_follows_the_busy_speed(busy: bool) -> None:
+    # No replica's own rate is learned yet (speed 1 everywhere); their throughput while busy
+    # says the others are a quarter of r0's speed. (Requests in flight cost nothing here, so
+    # the bound alone decides.)
+    decision = route_follow_up({"busy_speed": busy, "inflight_tokens": 0.0},
+                               busy_speed=(1.0, 0.25))
+    assert (decision.replica == "r0") == busy
 
 
 def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pydantic import Field
@@ -48,6 +49,17 @@ class PrefixAffinitySettings(PolicySettings):
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
+    speed_bound: float | None = Field(
+        0.75, ge=0.0, le=1.0, description="share of replicas with prefill queued from which, "
+        "while every replica slower than the replicas' mean speed has prefill queued too, a "
+        "faster replica's bounded-load limit is raised by its speed over that mean: it holds "
+        "more requests in flight at the same load, and the common limit sends the requests for "
+        "its cached prefixes to queued slow replicas as misses (None: never; with "
+        "replica_speed only)")
+    busy_speed: bool = Field(True, description="until a replica's own prefill rate is "
+                             "learned from its steps (which a standing queue can hold off for "
+                             "minutes), speed_bound takes its speed from its throughput while "
+                             "busy (ReplicaView.busy_speed)")
     waiting_stops_drain: bool = Field(True, description="while a replica's engine reports "
                                       "requests waiting, count its pending prefill whole: "
                                       "what it has queued is not being computed")
@@ -67,6 +79,9 @@ class PrefixAffinity(Policy):
        ceil(c * mean) + `load_allowance` are eligible, so a hot system prompt spreads over a
        few replicas instead of melting one. The allowance keeps the bound from bouncing
        requests off their cache at small counts (2 in flight per replica gives a bound of 3).
+       On a busy fleet whose slower replicas all have prefill queued, a replica faster than
+       the replicas' mean speed may hold proportionally more (`speed_bound`): at the same
+       load it has more in flight.
     2. Cost, in prompt tokens: the request's uncached tokens on the replica (from the prefix
        index), plus `load_weight` times the weighted queue there, where the queue is the
        uncached prefill already sent and not yet past first token plus `inflight_tokens` per
@@ -107,6 +122,8 @@ class PrefixAffinity(Policy):
         self._decisions = 0
         self.drain_pending = s.drain_pending
         self._speeds = SpeedBook(s.replica_speed)
+        self.speed_bound = s.speed_bound if s.replica_speed else None
+        self.busy_speed = s.busy_speed
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
 
@@ -120,9 +137,10 @@ class PrefixAffinity(Policy):
         hashes = request.hashes
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
-        bound = load_bound(replicas, self.load_factor) + self.load_allowance
+        speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
+        bounds = self._bounds(replicas, busy)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
         self._decisions += 1
@@ -130,15 +148,14 @@ class PrefixAffinity(Policy):
         # (cost, matched, weight, uncached, eligible, name, step wait)
         rows: list[tuple[float, int, int, float, bool, str, float]] = []
         best_match = 0
-        speed = self._speeds.see
-        for r in replicas:
+        for r, speed, bound in zip(replicas, speeds, bounds, strict=True):
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
             wait = r.step_wait_tokens
             # The queue is priced at the replica's own rate: it is the wait there.
-            queue = (self._pending(r) + per_request * r.inflight) / speed(r)
+            queue = (self._pending(r) + per_request * r.inflight) / speed
             cost = uncached + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
@@ -182,6 +199,33 @@ class PrefixAffinity(Policy):
             uncached_tokens=chosen[3],
             fallbacks=[row[5] for row in others],
         )
+
+    def _bounds(self, replicas: Sequence[ReplicaView], busy: float) -> list[int]:
+        """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
+        `speed_bound` of the replicas have prefill queued (`busy`) and every replica slower
+        than the replicas' mean speed is among them, one faster than that mean gets the mean
+        scaled by its speed over it instead.
+
+        Never lower: a slow replica's share is its price's business (its queue at its speed);
+        scaled both ways, the limits put more prefill time on the slow replica of the slow
+        fleet (tenants at heavy load: imbalance by time 1.15 to 1.20). Only on a busy fleet
+        whose slow replicas are all queued: what the common limit turns away from a fast
+        replica is then a miss that waits behind a slow queue and takes KV cache from a
+        second replica. With a slow replica idle, or most replicas idle, it is prefill taken
+        at once, and the common limit keeps the fast replicas from taking all the prefill
+        (prefill imbalance by time past 1.15 on the mixed fleet's tenants otherwise)."""
+        common = load_bound(replicas, self.load_factor)
+        if self.speed_bound is not None and busy >= self.speed_bound:
+            speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
+                      else r.speed if r.speed > 0.0 else 1.0 for r in replicas]
+            mean_speed = sum(speeds) / len(speeds)
+            if (any(sp > mean_speed for sp in speeds)
+                    and all(r.pending_prefill_tokens > 0.0
+                            for r, sp in zip(replicas, speeds, strict=True) if sp < mean_speed)):
+                mean = self.load_factor * (sum(r.inflight for r in replicas) + 1) / len(replicas)
+                return [max(common, math.ceil(mean * sp / mean_speed)) + self.load_allowance
+                        for sp in speeds]
+        return [common + self.load_allowance] * len(replicas)
 
     def on_removed(self, replica: str) -> None:
         self._recent.pop(replica, None)
