@@ -91,7 +91,9 @@ def experiment(gw: Gateway) -> dict[str, Any]:
 
 def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, tmp_path):
     port = processes.free_ports(1)[0]
-    gw = start_gateway(ab_config(port, pools), tmp_path)
+    # Room for every copy: on a loaded machine the slow pool falls behind, more than the
+    # default 32 copies wait at once, and the ones beyond it are dropped, never paired.
+    gw = start_gateway(ab_config(port, pools, max_concurrency=300), tmp_path)
     try:
         assert set(send(gw, 300)) == {"fast"}
         exp = poll(lambda: (e := experiment(gw))["paired"] >= 290 and e, deadline_s=30)
@@ -119,7 +121,8 @@ def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, 
 
         # The kill switch in the file, applied by SIGHUP: no copy from the next request on.
         sent = exp["mirror"]["sent"]
-        gw.config_path.write_text(yaml.safe_dump(ab_config(port, pools, enabled=False)))
+        gw.config_path.write_text(yaml.safe_dump(ab_config(port, pools, enabled=False,
+                                                             max_concurrency=300)))
         os.kill(gw.proc.pid, signal.SIGHUP)
         poll(lambda: experiment(gw)["enabled"] is False, deadline_s=15)
         send(gw, 20)
@@ -132,7 +135,8 @@ def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, 
 
 def test_the_arms_swapped_give_the_opposite_sign(pools, tmp_path):
     port = processes.free_ports(1)[0]
-    gw = start_gateway(ab_config(port, pools, baseline="slow", candidate="fast"), tmp_path)
+    gw = start_gateway(ab_config(port, pools, baseline="slow", candidate="fast",
+                                 max_concurrency=240), tmp_path)
     try:
         assert set(send(gw, 240)) == {"slow"}
         exp = poll(lambda: (e := experiment(gw))["paired"] >= 230 and e, deadline_s=30)
