@@ -32,6 +32,12 @@ class Sharing:
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     load_interval_s: float = DEFAULT_LOAD_INTERVAL_S
     delay_s: float = 0.0
+    read_interval_s: float | None = None
+    """The reader's pause after a read (None: flush_interval_s)."""
+
+    @property
+    def read_pause_s(self) -> float:
+        return self.flush_interval_s if self.read_interval_s is None else self.read_interval_s
 
 
 @dataclass(slots=True)
@@ -164,7 +170,7 @@ class Gateways:
         at = msgs[i].at
         # A read blocks for _BLOCK_S, then returns empty and sleeps flush_interval_s before
         # blocking again: an entry written in that sleep waits for the next read.
-        block, flush = _BLOCK_S, self.sharing.flush_interval_s
+        block, flush = _BLOCK_S, self.sharing.read_pause_s
         if r.ready_at + block <= at and flush > 0.0:
             periods = math.floor((at - r.ready_at) / (block + flush))
             r.ready_at += periods * (block + flush)
@@ -192,4 +198,4 @@ class Gateways:
         r.cursor = i
         if load_changed:
             router.apply_remote_load(sum_loads(r.loads.values()))
-        r.ready_at = t + self.sharing.flush_interval_s
+        r.ready_at = t + self.sharing.read_pause_s

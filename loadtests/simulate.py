@@ -604,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="shared_routing.flush_interval_s (0: every insert at once)")
     ap.add_argument("--load-interval-s", type=float, default=DEFAULT_LOAD_INTERVAL_S,
                     help="shared_routing.load_interval_s (0: on every change of load)")
+    ap.add_argument("--read-interval-s", type=float, default=None,
+                    help="the reader's pause after a read (default: --flush-interval-s)")
     ap.add_argument("--sharing-delay-s", type=float, default=0.0,
                     help="from a gateway's write to the others' being able to read it")
     add_workload_param(ap)
@@ -619,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gateways > 1 and args.policy in (*REFERENCE_POLICIES, "all"):
         ap.error("--gateways above 1 takes one of the gateway's policies")
     sharing = Sharing(args.sharing == "on", args.flush_interval_s, args.load_interval_s,
-                      args.sharing_delay_s)
+                      args.sharing_delay_s, args.read_interval_s)
     params = dict(args.workload_param)
     policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
     try:

@@ -430,3 +430,23 @@ def test_load_is_published_as_the_gateway_encodes_it_when_looked_at() -> None:
     assert encode_load(a) == b'{"r0":[1,300.0,300.0]}'
     assert b.load.remote == {"r0": (1, 300.0, 300.0)}
     assert b.load.view("r0").inflight == 1
+
+
+def test_a_busy_gateways_decision_reaches_the_others_within_10_ms_by_default() -> None:
+    from loadtests.sim_sharing import Gateways, Sharing
+    from routing import build_policy
+
+    # Decisions another gateway has not read yet are ones it may pile onto the same replica:
+    # at the default flush interval, a decision made just after a write (the writer sleeping)
+    # is read by the others within 10 ms of it (25 ms before).
+    routers = [Router(["r0", "r1"], build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    gws = Gateways(routers, Sharing())
+    a, b = routers
+    gws.now = 0.0
+    a.record("r0", [11, 12], 2.0)
+    gws.run_until(0.0)
+    gws.now = 0.001
+    a.record("r1", [21, 22], 2.0)
+    gws.run_until(0.011)
+    assert b.matched_blocks("r1", [21, 22]) == 2
