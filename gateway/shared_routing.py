@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.connection import Connection
 
+    from routing import Router
+
 log = logging.getLogger("prefix_gateway.shared")
 
 Insert = tuple[str, str, float, Sequence[int], float]
@@ -88,6 +90,11 @@ long enough for the others to read its last entries."""
 _FORGOTTEN_IDS = 4096
 """Last ids kept for streams no longer read (a peer that returns resumes where it was)."""
 
+
+def encode_load(router: Router) -> bytes:
+    """A router's own load as a gateway publishes it (keys sorted: an unchanged load is the
+    same bytes, and is not written again)."""
+    return orjson.dumps(router.load.own_load(), option=orjson.OPT_SORT_KEYS)
 
 
 def _pairs(reply: Any) -> dict[bytes, Any]:
@@ -506,7 +513,7 @@ class SharedRouting:
 
     @staticmethod
     def _load_of(pool: Pool) -> bytes:
-        return orjson.dumps(pool.router.load.own_load(), option=orjson.OPT_SORT_KEYS)
+        return encode_load(pool.router)
 
     # Reading ------------------------------------------------------------------------------
 

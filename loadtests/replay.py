@@ -47,12 +47,10 @@ from loadtests.traces import (
     BLOCK_TOKENS,
     SYNTHETIC,
     TraceRequest,
-    agreement,
-    home_agreement,
+    agreement_figures,
     ideal_hit_ratio,
     load_requests,
     prompt_text,
-    warm_misses,
 )
 
 # 1,000 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
@@ -294,12 +292,9 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
     }
     served = [r.replica if r.ok else None for r in data.results]
     reasons = [r.reason for r in data.results]
-    agreed, warm = home_agreement(requests, served, reasons)
-    last, _ = agreement(requests, served)
     n = max(1, data.gateways)
+    out.update(gateways=data.gateways, **agreement_figures(requests, served, reasons))
     out.update(
-        gateways=data.gateways, agreement=agreed, agreement_last=last, warm_requests=warm,
-        warm_miss_reasons=warm_misses(requests, served, reasons),
         requests_per_gateway=[len(range(g, len(data.results), n)) for g in range(n)],
         errors_per_gateway=[sum(not r.ok for r in data.results[g::n]) for g in range(n)])
     if errors:

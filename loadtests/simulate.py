@@ -45,10 +45,17 @@ from gateway.config import HealthSettings, RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
 from loadtests.report import text_table
 from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.sim_sharing import (
+    DEFAULT_FLUSH_INTERVAL_S,
+    DEFAULT_LOAD_INTERVAL_S,
+    Gateways,
+    Sharing,
+)
 from loadtests.stats import max_over_mean, percentile, prefill_seconds
 from loadtests.traces import (
     SYNTHETIC,
     TraceRequest,
+    agreement_figures,
     ideal_hit_ratio,
     load_requests,
     prompt_text,
@@ -219,7 +226,8 @@ class PoolRun:
 
     names: list[str]
     engines: list[EngineModel]
-    router: Router
+    routers: list[Router]
+    """One per gateway; request k of the run went to gateway k % len(routers)."""
     replica_of: list[int]
     first_at: list[float]
     finish_at: list[float]
@@ -229,6 +237,13 @@ class PoolRun:
     prefill_done: list[float]
     routed: list[int]
     inflight_ratios: list[float]
+    reasons: list[str | None]
+    """Per request, the route reason its gateway gave (None: not served)."""
+
+    @property
+    def router(self) -> Router:
+        """The first gateway's router."""
+        return self.routers[0]
 
     @property
     def hit_ratio(self) -> float | None:
@@ -266,6 +281,8 @@ def run_pool(
     only: Sequence[int] | None = None,
     policy_factory: PolicyFactory = make_policy,
     metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
+    gateways: int = 1,
+    sharing: Sharing | None = None,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -274,7 +291,12 @@ def run_pool(
     Every `metrics_interval_s` from the first arrival the engines are scraped as the gateway
     scrapes them, and each view carries the last scrape's waiting count and KV usage
     (`ReplicaView.engine_waiting`, `kv_usage`); None: never scraped, as a gateway that cannot
-    read the engines' metrics."""
+    read the engines' metrics.
+
+    With `gateways` above one, each has its own router and policy; the k-th request routed
+    goes to gateway k % gateways, its chunks, first token and finish to that gateway, which
+    times a replica's step only when a request of its own streams a token in it; they share
+    their state as `sharing` says (default: as the gateway's shared routing defaults)."""
     settings = settings or RoutingSettings()
     profs = list(profiles)
     replicas = len(profs)
@@ -282,21 +304,24 @@ def run_pool(
     engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens)
                for n, p in zip(names, profs, strict=True)}
     engine_list = [engines[n] for n in names]
-    pol = policy_factory(policy, settings, engines, policy_params)
-    router = Router(names, pol, block_chars=settings.block_chars,
-                    chars_per_token=settings.chars_per_token,
-                    index_capacity_blocks=settings.index_capacity_blocks,
-                    key_blocks=settings.key_blocks,
-                    prefill_tokens_per_s=settings.prefill_tokens_per_s)
     # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
     index_blocks = max(1, int(kv_capacity_tokens * settings.chars_per_token
                               / settings.block_chars))
-    for n in names:
-        router.resize_index(n, index_blocks)
-    oracle = pol if isinstance(pol, Oracle) else None
+    routers = []
+    for _ in range(max(1, gateways)):
+        router = Router(names, policy_factory(policy, settings, engines, policy_params),
+                        block_chars=settings.block_chars,
+                        chars_per_token=settings.chars_per_token,
+                        index_capacity_blocks=settings.index_capacity_blocks,
+                        key_blocks=settings.key_blocks,
+                        prefill_tokens_per_s=settings.prefill_tokens_per_s)
+        for n in names:
+            router.resize_index(n, index_blocks)
+        routers.append(router)
+    oracles = [r.policy for r in routers if isinstance(r.policy, Oracle)]
 
     reqs = workload.requests
-    routing_reqs = workload.routing_requests(router)
+    routing_reqs = workload.routing_requests(routers[0])
     engine_hashes, prompt_tokens = workload.engine_prompts(engine_block_tokens)
     n = len(reqs)
     order = range(n) if only is None else only
@@ -314,6 +339,10 @@ def run_pool(
     # running + waiting, kept when the mean is at least 1; the report takes the peak.
     inflight_ratios: list[float] = []
     start = reqs[order[0]].timestamp_s if order else 0.0
+    gws = Gateways(routers, sharing or Sharing(), start)
+    gateway_of = [0] * n
+    # Per gateway and replica: its requests there past their first token, not finished.
+    streaming = [[0] * replicas for _ in routers]
 
     def sample() -> None:
         loads = [e.num_running + e.num_waiting for e in engine_list]
@@ -351,25 +380,43 @@ def run_pool(
         return decision
 
     def step(t: float, i: int) -> None:
-        eng = engine_list[i]
         name = names[i]
-        if eng.step_emits_tokens:
-            router.chunk(name, t)  # the gateway sees this step's streamed chunks
-        for ev in eng.advance(t):
+        events = engine_list[i].advance(t)
+        # A gateway sees this step's streamed chunks if a request of its own got a token in
+        # it: one decoding there, or one whose first token this is.
+        for g, router in enumerate(routers):
+            if streaming[g][i] or any(ev.kind == "first_token" and gateway_of[int(ev.req_id)] == g
+                                      for ev in events):
+                router.chunk(name, t)
+                gws.changed(g, t)
+        for ev in events:
             rid = int(ev.req_id)
+            g = gateway_of[rid]
             if ev.kind == "first_token":
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
-                router.first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
+                routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
+                streaming[g][i] += 1
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
-                router.finished(decided(rid), True)
+                routers[g].finished(decided(rid), True)
+                streaming[g][i] -= 1
+            gws.changed(g, t)
         scheduled[i] = None
         reschedule(i)
 
     def drain_until(t_limit: float) -> None:
-        while heap and heap[0][0] <= t_limit:
+        while True:
+            t_engine = heap[0][0] if heap else math.inf
+            if t_engine == math.inf and t_limit == math.inf:
+                return  # every request answered: what is shared now changes nothing
+            t_shared = gws.next_time()
+            if t_shared <= min(t_engine, t_limit):
+                gws.run_until(min(t_engine, t_limit))
+                continue
+            if t_engine > t_limit:
+                return
             t, i = heapq.heappop(heap)
             if scheduled[i] != t:
                 continue  # superseded
@@ -377,7 +424,7 @@ def run_pool(
             scrape_until(t)
             step(t, i)
 
-    for rid in order:
+    for k, rid in enumerate(order):
         req = reqs[rid]
         now = req.timestamp_s
         # Engine events at the arrival instant happen first: a step ending now frees its slot.
@@ -386,12 +433,15 @@ def run_pool(
         inflight_at_arrival[rid] = sum(e.num_running + e.num_waiting for e in engine_list)
         rr = routing_reqs[rid]
         scrape_until(now)
+        g = gateway_of[rid] = gws.gateway_of(k)
+        router = routers[g]
         views = [router.load.view(name, now) for name in names]
         for view, snap in zip(views, scraped, strict=True):
             if snap is not None:  # as Pool._views fills them from the last scrape
                 view.engine_waiting, view.kv_usage = snap
-        if oracle is not None:
+        for oracle in oracles:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
+        gws.now = now
         decision = router.route(rr, views)
         i = index_of[decision.replica]
         eng = engine_list[i]
@@ -403,12 +453,14 @@ def run_pool(
         replica_of[rid] = i
         decisions[rid] = decision
         router.dispatched(decision)
+        gws.changed(g, now)
         routed[i] += 1
         reschedule(i)
     drain_until(math.inf)
 
-    return PoolRun(names, engine_list, router, replica_of, first_at, finish_at, out_tokens,
-                   inflight_at_arrival, prefill_done, routed, inflight_ratios)
+    reasons = [d.reason if d is not None else None for d in decisions]
+    return PoolRun(names, engine_list, routers, replica_of, first_at, finish_at, out_tokens,
+                   inflight_at_arrival, prefill_done, routed, inflight_ratios, reasons)
 
 
 def simulate(
@@ -426,9 +478,13 @@ def simulate(
     timeline: bool = False,
     policy_factory: PolicyFactory = make_policy,
     metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
+    gateways: int = 1,
+    sharing: Sharing | None = None,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
-    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order).
+    also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
+    the replay's agreement figures (`agreement_figures`) and, through several `gateways`
+    (run_pool), how they shared their state.
 
     `fleet` gives each replica its own profile and slowdown (its length is the replica count);
     else there are `replicas` replicas of `profile`."""
@@ -442,7 +498,8 @@ def simulate(
     run = run_pool(workload, policy, profiles=profs, kv_capacity_tokens=kv_capacity_tokens,
                    max_output=max_output, engine_block_tokens=engine_block_tokens,
                    settings=settings, policy_params=policy_params,
-                   policy_factory=policy_factory, metrics_interval_s=metrics_interval_s)
+                   policy_factory=policy_factory, metrics_interval_s=metrics_interval_s,
+                   gateways=gateways, sharing=sharing)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -484,7 +541,15 @@ def simulate(
         "policy": policy + (" (emulated)" if policy == "sglang_cache_aware" else ""),
         "replicas": replicas,
         "workload": workload.name,
+        "gateways": len(run.routers),
+        **agreement_figures(reqs, [run.names[i] if i >= 0 else None for i in replica_of],
+                            run.reasons),
     }
+    if len(run.routers) > 1:
+        sharing = sharing or Sharing()
+        report["sharing"] = ({"flush_interval_s": sharing.flush_interval_s,
+                              "load_interval_s": sharing.load_interval_s,
+                              "delay_s": sharing.delay_s} if sharing.enabled else "off")
     if timeline:
         report["timeline"] = [[reqs[r].timestamp_s, first_at[r] - reqs[r].timestamp_s]
                               for r in done]
@@ -502,13 +567,15 @@ _COLUMNS = (
     ("prefill_time_imbalance", "prefill time imb", "{:.2f}"),
     ("peak_inflight_imbalance", "peak imb", "{:.2f}"), ("requests", "requests", "{}"),
     ("errors", "errors", "{}"), ("duration_s", "duration s", "{:.1f}"),
+    ("agreement", "agreement", "{:.3f}"), ("spills", "spills", "{}"),
 )  # fmt: skip
 
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     """One row per report, for a terminal."""
     return text_table([title for _, title, _ in _COLUMNS],
-                      [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in reports])
+                      [[fmt.format(r[key]) if r[key] is not None else "-"
+                        for key, _, fmt in _COLUMNS] for r in reports])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -529,6 +596,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--metrics-interval-s", type=float, default=DEFAULT_METRICS_INTERVAL_S,
                     help="how often the gateway scrapes the engines' metrics, which policies "
                          "see as ReplicaView.engine_waiting and kv_usage (0: never)")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="gateways routing the requests, request k through gateway k mod N")
+    ap.add_argument("--sharing", choices=("on", "off"), default="on",
+                    help="whether several gateways share routing state (as through Redis)")
+    ap.add_argument("--flush-interval-s", type=float, default=DEFAULT_FLUSH_INTERVAL_S,
+                    help="shared_routing.flush_interval_s (0: every insert at once)")
+    ap.add_argument("--load-interval-s", type=float, default=DEFAULT_LOAD_INTERVAL_S,
+                    help="shared_routing.load_interval_s (0: on every change of load)")
+    ap.add_argument("--read-interval-s", type=float, default=None,
+                    help="the reader's pause after a read (default: --flush-interval-s)")
+    ap.add_argument("--sharing-delay-s", type=float, default=0.0,
+                    help="from a gateway's write to the others' being able to read it")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -537,6 +616,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.gateways < 1:
+        ap.error("--gateways must be at least 1")
+    if args.gateways > 1 and args.policy in (*REFERENCE_POLICIES, "all"):
+        ap.error("--gateways above 1 takes one of the gateway's policies")
+    sharing = Sharing(args.sharing == "on", args.flush_interval_s, args.load_interval_s,
+                      args.sharing_delay_s, args.read_interval_s)
     params = dict(args.workload_param)
     policies = ALL_POLICIES if args.policy == "all" else (args.policy,)
     try:
@@ -553,12 +638,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           profile=args.profile, max_output=args.max_output,
                           engine_block_tokens=args.engine_block_tokens,
                           settings=settings[name], fleet=fleet,
-                          metrics_interval_s=args.metrics_interval_s or None)
+                          metrics_interval_s=args.metrics_interval_s or None,
+                          gateways=args.gateways, sharing=sharing)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "
           f"({describe(fleet)}), KV {args.kv_capacity_tokens} tokens/replica, "
-          f"speedup {args.speedup}")
+          f"speedup {args.speedup}"
+          + (f", {args.gateways} gateways (sharing {args.sharing})" if args.gateways > 1 else ""))
     print(format_table(reports))
     if args.json:
         print(json.dumps(reports[0] if len(reports) == 1 else {"runs": reports}))

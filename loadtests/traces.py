@@ -346,6 +346,20 @@ def warm_misses(requests: Sequence[TraceRequest], replicas: Sequence[str | None]
     return dict(sorted(out.items()))
 
 
+def agreement_figures(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
+                      reasons: Sequence[str | None]) -> dict[str, Any]:
+    """What a run's served replicas and route reasons say of agreement, as replay reports it:
+    `agreement` and `warm_requests` (`home_agreement`), `agreement_last` (`agreement`),
+    `warm_miss_reasons` (`warm_misses`) and `spills`, the warm requests among those misses
+    that their gateway spilled for load (reason `overflow`)."""
+    agreed, warm = home_agreement(requests, replicas, reasons)
+    last, _ = agreement(requests, replicas)
+    misses = warm_misses(requests, replicas, reasons)
+    return {"agreement": agreed, "agreement_last": last, "warm_requests": warm,
+            "warm_miss_reasons": misses,
+            "spills": sum(n for k, n in misses.items() if k.startswith(OVERFLOW + "+"))}
+
+
 def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:
     if speedup == 1.0:
         return requests

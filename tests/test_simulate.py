@@ -335,3 +335,118 @@ def test_views_carry_the_engines_last_scraped_queue_and_kv_usage() -> None:
     assert all(len(v) == 1 for v in by_period.values())
     assert len({repr(views) for _, views in after}) > 1
     assert all(v == (0, None) for _, views in seen(None) for v in views)
+
+
+# -- several gateways (loadtests/sim_sharing.py) ---------------------------------------------
+
+
+def test_agreement_figures_count_spills_among_the_warm_misses() -> None:
+    from loadtests.traces import BLOCK_TOKENS, TraceRequest, agreement_figures
+
+    # A tenant's context on a, spilled once to b for load, then balanced between the two (as
+    # one gateway does), then sent cold to c by a gateway that did not know it.
+    chains = [(1, 2, 3), (1, 2, 4), (1, 2, 5), (1, 2, 6), (1, 2, 7), (1, 2, 8)]
+    reqs = [TraceRequest(i / 10, len(c) * BLOCK_TOKENS, 4, c) for i, c in enumerate(chains)]
+    served = ["a", "a", "b", "a", "b", "c"]
+    reasons = ["cold", "affinity", "overflow", "affinity", "affinity", "cold"]
+    got = agreement_figures(reqs, served, reasons)
+    # Warm: requests 1-5. Homes of (1, 2): a, then b after the spill; c is no home.
+    assert got["agreement"] == pytest.approx(3 / 5)
+    assert got["warm_requests"] == 5
+    # By the last server: only request 1 (a after a) agrees.
+    assert got["agreement_last"] == pytest.approx(1 / 5)
+    assert got["warm_miss_reasons"] == {"affinity+held": 2, "cold+new": 1, "overflow+new": 1}
+    assert got["spills"] == 1
+
+
+def test_one_gateway_reports_its_agreement_and_ignores_sharing(tenants: Workload) -> None:
+    from loadtests.sim_sharing import Sharing
+
+    one = simulate(tenants, "prefix_affinity", replicas=4)
+    assert one["gateways"] == 1
+    assert 0.5 < one["agreement"] <= 1.0
+    assert one["warm_requests"] > 50
+    assert "sharing" not in one
+    # One gateway has nobody to share with: its report is the same whatever the settings.
+    assert simulate(tenants, "prefix_affinity", replicas=4, gateways=1,
+                    sharing=Sharing(True, 0.5, 2.0, 1.0)) == one
+
+
+def test_gateways_sharing_at_once_agree_as_one_and_without_sharing_far_less(
+        tenants: Workload) -> None:
+    from loadtests.sim_sharing import Sharing
+
+    one = simulate(tenants, "prefix_affinity", replicas=4)
+    at_once = simulate(tenants, "prefix_affinity", replicas=4, gateways=3,
+                       sharing=Sharing(True, 0.0, 0.0, 0.0))
+    apart = simulate(tenants, "prefix_affinity", replicas=4, gateways=3,
+                     sharing=Sharing(enabled=False))
+    assert at_once["gateways"] == apart["gateways"] == 3
+    assert apart["sharing"] == "off"
+    assert at_once["agreement"] > apart["agreement"] + 0.2
+    assert at_once["agreement"] == pytest.approx(one["agreement"], abs=0.03)
+    assert at_once["hit_ratio"] > apart["hit_ratio"]
+
+
+def _two_gateways(flush_s: float, load_s: float):
+    from loadtests.sim_sharing import Gateways, Sharing
+    from routing import build_policy
+
+    routers = [Router(["r0", "r1"], build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    return routers, Gateways(routers, Sharing(True, flush_s, load_s, 0.0))
+
+
+def test_inserts_reach_the_other_gateway_at_most_once_per_flush_interval() -> None:
+    routers, gws = _two_gateways(0.025, 0.05)
+    a, b = routers
+    first, second = [11, 12], [21, 22]
+    gws.now = 0.0
+    a.record("r0", first, 2.0)
+    # An idle writer writes at once, and a blocked reader reads at once.
+    gws.run_until(0.0)
+    assert b.matched_blocks("r0", first) == 2
+    gws.now = 0.01
+    a.record("r1", second, 2.0)
+    # The writer sleeps flush_interval_s after a write, and so does the reader after a read.
+    gws.run_until(0.024)
+    assert b.matched_blocks("r1", second) == 0
+    gws.run_until(0.025)
+    assert b.matched_blocks("r1", second) == 2
+    assert a.matched_blocks("r1", [31]) == 0  # nothing comes back to the writer
+
+
+def test_load_is_published_as_the_gateway_encodes_it_when_looked_at() -> None:
+    from gateway.shared_routing import encode_load
+    from routing.types import Decision
+
+    routers, gws = _two_gateways(0.025, 0.05)
+    a, b = routers
+    gws.run_until(0.0)  # the first look at the load: nothing in flight
+    a.dispatched(Decision("r0", "cold", 0, 1, 300.0))
+    gws.run_until(0.049)
+    assert b.load.remote == {}
+    gws.run_until(0.05)  # the next look sees it changed and writes it
+    assert encode_load(a) == b'{"r0":[1,300.0,300.0]}'
+    assert b.load.remote == {"r0": (1, 300.0, 300.0)}
+    assert b.load.view("r0").inflight == 1
+
+
+def test_a_busy_gateways_decision_reaches_the_others_within_10_ms_by_default() -> None:
+    from loadtests.sim_sharing import Gateways, Sharing
+    from routing import build_policy
+
+    # Decisions another gateway has not read yet are ones it may pile onto the same replica:
+    # at the default flush interval, a decision made just after a write (the writer sleeping)
+    # is read by the others within 10 ms of it (25 ms before).
+    routers = [Router(["r0", "r1"], build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    gws = Gateways(routers, Sharing())
+    a, b = routers
+    gws.now = 0.0
+    a.record("r0", [11, 12], 2.0)
+    gws.run_until(0.0)
+    gws.now = 0.001
+    a.record("r1", [21, 22], 2.0)
+    gws.run_until(0.011)
+    assert b.matched_blocks("r1", [21, 22]) == 2
