@@ -680,3 +680,23 @@ def test_a_replica_whose_engine_reports_requests_waiting_is_not_credited_the_dra
     assert spread(True, 0.95)["r1"] == 0
     assert spread(True, 0.5)["r1"] > 5
     assert spread(False, 0.95)["r1"] > 5
+
+
+@pytest.mark.parametrize("cap", [True, False])
+def test_a_fast_replica_out_of_kv_is_not_priced_as_draining_fast(cap: bool) -> None:
+    # r0 is four times as fast as the others and has twice their queue: divided by its speed
+    # the queue looks half as long. But its engine reports requests waiting with its KV cache
+    # nearly full: it admits nothing until requests finish, so its speed does not shorten the
+    # wait there, and with the cap cold prompts go to the slow replicas instead.
+    def spread(kv_usage: float) -> Counter[str]:
+        router = make_router(load_factor=100.0, balance_horizon=0, blocked_speed_cap=cap)
+        views = [ReplicaView(name=n, inflight=4,
+                             pending_prefill_tokens=8000.0 if n == "r0" else 3000.0,
+                             speed=4.0 if n == "r0" else 1.0,
+                             engine_waiting=3 if n == "r0" else 0,
+                             kv_usage=kv_usage if n == "r0" else 0.5) for n in REPLICAS]
+        return Counter(router.route(router.request_from_text(
+            chat_text(system_prompt(700 + i), "q")), views).replica for i in range(60))
+
+    assert (spread(0.98)["r0"] == 0) == cap
+    assert spread(0.5)["r0"] == 60  # KV to spare: its queue drains at its own speed

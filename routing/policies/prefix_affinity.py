@@ -67,6 +67,11 @@ class PrefixAffinitySettings(PolicySettings):
                                     "(ReplicaView.kv_usage) from which requests waiting mean "
                                     "the engine cannot admit them; below it, or unknown, they "
                                     "are an ordinary queue that drains at its prefill rate")
+    blocked_speed_cap: bool = Field(True, description="price the queue of a replica whose "
+                                    "engine reports requests waiting at KV usage from "
+                                    "waiting_kv_usage at a speed of at most 1.0: a fast "
+                                    "replica that cannot admit work drains its queue no "
+                                    "faster than a slow one")
 
 
 @register
@@ -126,6 +131,7 @@ class PrefixAffinity(Policy):
         self.busy_speed = s.busy_speed
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
+        self.blocked_speed_cap = s.blocked_speed_cap
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -154,7 +160,11 @@ class PrefixAffinity(Policy):
                 best_match = matched
             uncached = max(0.0, prompt_tokens - matched * block_tokens)
             wait = r.step_wait_tokens
-            # The queue is priced at the replica's own rate: it is the wait there.
+            # The queue is priced at the replica's own rate: it is the wait there. An engine
+            # out of KV admits nothing until requests finish, however fast it computes, so
+            # its speed must not make its queue look shorter than a slow replica's.
+            if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
+                speed = 1.0
             queue = (self._pending(r) + per_request * r.inflight) / speed
             cost = uncached + w * queue + wait
             eligible = r.inflight + 1 <= bound
