@@ -59,12 +59,14 @@ from loadtests.traces import (
     ideal_hit_ratio,
     load_requests,
     prompt_text,
+    shadow_agreement,
 )
 from loadtests.ttft_bound import TtftBounds, ttft_bounds
 from routing import Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
 from routing.policies import Policy, policy_names, settings_names
-from routing.types import Decision
+from routing.policies.base import decide
+from routing.types import Decision, ReplicaView
 
 # The built-in policies in the order reports list them, then any other registered policy.
 _REPORT_ORDER = ("round_robin", "least_load", "consistent_hash", "prefix_affinity")
@@ -239,6 +241,9 @@ class PoolRun:
     inflight_ratios: list[float]
     reasons: list[str | None]
     """Per request, the route reason its gateway gave (None: not served)."""
+    shadow_picks: list[str | None] | None = None
+    """Per request, the replica the shadow single gateway would have chosen (None: not
+    routed; the list is None when no shadow ran)."""
 
     @property
     def router(self) -> Router:
@@ -283,6 +288,7 @@ def run_pool(
     metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
     gateways: int = 1,
     sharing: Sharing | None = None,
+    shadow: bool | None = None,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -296,7 +302,12 @@ def run_pool(
     With `gateways` above one, each has its own router and policy; the k-th request routed
     goes to gateway k % gateways, its chunks, first token and finish to that gateway, which
     times a replica's step only when a request of its own streams a token in it; they share
-    their state as `sharing` says (default: as the gateway's shared routing defaults)."""
+    their state as `sharing` says (default: as the gateway's shared routing defaults).
+
+    With `shadow` (default: when there are several gateways), one more router, the shadow
+    single gateway, sees every request and every event at once; before each request is
+    routed it is asked where it would send it (`PoolRun.shadow_picks`), then told where the
+    request really went, so that its state follows the real fleet."""
     settings = settings or RoutingSettings()
     profs = list(profiles)
     replicas = len(profs)
@@ -318,7 +329,18 @@ def run_pool(
         for n in names:
             router.resize_index(n, index_blocks)
         routers.append(router)
-    oracles = [r.policy for r in routers if isinstance(r.policy, Oracle)]
+    shadow_router = None
+    if shadow if shadow is not None else len(routers) > 1:
+        shadow_router = Router(names, policy_factory(policy, settings, engines, policy_params),
+                               block_chars=settings.block_chars,
+                               chars_per_token=settings.chars_per_token,
+                               index_capacity_blocks=settings.index_capacity_blocks,
+                               key_blocks=settings.key_blocks,
+                               prefill_tokens_per_s=settings.prefill_tokens_per_s)
+        for n in names:
+            shadow_router.resize_index(n, index_blocks)
+    oracles = [r.policy for r in (*routers, shadow_router)
+               if r is not None and isinstance(r.policy, Oracle)]
 
     reqs = workload.requests
     routing_reqs = workload.routing_requests(routers[0])
@@ -327,6 +349,9 @@ def run_pool(
     order = range(n) if only is None else only
     replica_of = [-1] * n
     decisions: list[Decision | None] = [None] * n
+    shadow_picks: list[str | None] | None = [None] * n if shadow_router is not None else None
+    # The real decisions as the shadow recorded them (its own index's match and cost).
+    shadow_decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
     finish_at = [math.nan] * n
     out_tokens = [0] * n
@@ -363,6 +388,13 @@ def run_pool(
     scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
                     if metrics_interval_s else lambda t: None)
 
+    def scraped_views(router: Router, now: float) -> list[ReplicaView]:
+        views = [router.load.view(name, now) for name in names]
+        for view, snap in zip(views, scraped, strict=True):
+            if snap is not None:  # as Pool._views fills them from the last scrape
+                view.engine_waiting, view.kv_usage = snap
+        return views
+
     heap: list[tuple[float, int]] = []
     scheduled: list[float | None] = [None] * replicas
 
@@ -379,9 +411,17 @@ def run_pool(
         assert decision is not None  # only dispatched requests have engine events
         return decision
 
+    def shadow_decided(rid: int) -> Decision:
+        decision = shadow_decisions[rid]
+        assert decision is not None
+        return decision
+
     def step(t: float, i: int) -> None:
         name = names[i]
         events = engine_list[i].advance(t)
+        if shadow_router is not None and (any(s[i] for s in streaming) or any(
+                ev.kind == "first_token" for ev in events)):
+            shadow_router.chunk(name, t)
         # A gateway sees this step's streamed chunks if a request of its own got a token in
         # it: one decoding there, or one whose first token this is.
         for g, router in enumerate(routers):
@@ -396,11 +436,16 @@ def run_pool(
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
                 routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
+                if shadow_router is not None:
+                    shadow_router.first_token(shadow_decided(rid), ev.time,
+                                              reqs[rid].timestamp_s)
                 streaming[g][i] += 1
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
                 routers[g].finished(decided(rid), True)
+                if shadow_router is not None:
+                    shadow_router.finished(shadow_decided(rid), True)
                 streaming[g][i] -= 1
             gws.changed(g, t)
         scheduled[i] = None
@@ -435,14 +480,16 @@ def run_pool(
         scrape_until(now)
         g = gateway_of[rid] = gws.gateway_of(k)
         router = routers[g]
-        views = [router.load.view(name, now) for name in names]
-        for view, snap in zip(views, scraped, strict=True):
-            if snap is not None:  # as Pool._views fills them from the last scrape
-                view.engine_waiting, view.kv_usage = snap
+        views = scraped_views(router, now)
         for oracle in oracles:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         gws.now = now
+        pick = (shadow_router.policy.choose(rr, scraped_views(shadow_router, now), shadow_router)
+                if shadow_router is not None else None)
         decision = router.route(rr, views)
+        if shadow_router is not None and shadow_picks is not None and pick is not None:
+            shadow_picks[rid] = pick.replica
+            shadow_decisions[rid] = tell_shadow(shadow_router, rr, pick, decision)
         i = index_of[decision.replica]
         eng = engine_list[i]
         try:
@@ -453,6 +500,8 @@ def run_pool(
         replica_of[rid] = i
         decisions[rid] = decision
         router.dispatched(decision)
+        if shadow_router is not None:
+            shadow_router.dispatched(shadow_decided(rid))
         gws.changed(g, now)
         routed[i] += 1
         reschedule(i)
@@ -460,7 +509,21 @@ def run_pool(
 
     reasons = [d.reason if d is not None else None for d in decisions]
     return PoolRun(names, engine_list, routers, replica_of, first_at, finish_at, out_tokens,
-                   inflight_at_arrival, prefill_done, routed, inflight_ratios, reasons)
+                   inflight_at_arrival, prefill_done, routed, inflight_ratios, reasons,
+                   shadow_picks)
+
+
+def tell_shadow(shadow: Router, request: RoutingRequest, pick: Decision,
+                real: Decision) -> Decision:
+    """Record in the shadow router the real decision `real` for `request`, which it would
+    have routed as `pick` (its policy's choice, not yet recorded): its index, and its policy's
+    balancing, count the replica the request really went to. Returns the decision as the
+    shadow sees it, for the request's later events."""
+    told = pick if pick.replica == real.replica else decide(
+        request, shadow, real.replica, real.reason, [])
+    shadow.record(told.replica, request.hashes, told.uncached_tokens)
+    shadow.policy.on_routed(request, told)
+    return told
 
 
 def simulate(
@@ -507,6 +570,7 @@ def simulate(
     routed, prefill_done, inflight_ratios = run.routed, run.prefill_done, run.inflight_ratios
 
     done = [r for r in range(n) if replica_of[r] >= 0 and not math.isnan(first_at[r])]
+    served = [run.names[i] if i >= 0 else None for i in replica_of]
     ttfts = [first_at[r] - reqs[r].timestamp_s for r in done]
     tpots = [(finish_at[r] - first_at[r]) / (out_tokens[r] - 1)
              for r in done if out_tokens[r] > 1 and not math.isnan(finish_at[r])]
@@ -542,9 +606,10 @@ def simulate(
         "replicas": replicas,
         "workload": workload.name,
         "gateways": len(run.routers),
-        **agreement_figures(reqs, [run.names[i] if i >= 0 else None for i in replica_of],
-                            run.reasons),
+        **agreement_figures(reqs, served, run.reasons),
     }
+    if run.shadow_picks is not None:
+        report.update(shadow_agreement(reqs, served, run.shadow_picks))
     if len(run.routers) > 1:
         sharing = sharing or Sharing()
         report["sharing"] = ({"flush_interval_s": sharing.flush_interval_s,

@@ -360,6 +360,30 @@ def agreement_figures(requests: Sequence[TraceRequest], replicas: Sequence[str |
             "spills": sum(n for k, n in misses.items() if k.startswith(OVERFLOW + "+"))}
 
 
+def shadow_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
+                     picks: Sequence[str | None]) -> dict[str, Any]:
+    """How often a warm request went where a shadow single gateway would have sent it:
+    `shadow_agreement` (None when none is warm) and `shadow_warm_requests`.
+
+    `replicas[i]` served `requests[i]` (None: failed) and `picks[i]` is the shadow's choice
+    for it. Warm as in `home_agreement`: in trace order, its first block was in an earlier
+    answered request. Agreement = warm requests served by the shadow's pick / warm requests.
+    """
+    if not len(requests) == len(replicas) == len(picks):
+        raise ValueError("requests, replicas and picks differ in length")
+    seen: set[int] = set()
+    warm = agreed = 0
+    for req, served, pick in zip(requests, replicas, picks, strict=True):
+        if served is None or not req.hash_ids:
+            continue
+        first = req.hash_ids[0]
+        if first in seen:
+            warm += 1
+            agreed += served == pick
+        seen.add(first)
+    return {"shadow_agreement": agreed / warm if warm else None, "shadow_warm_requests": warm}
+
+
 def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:
     if speedup == 1.0:
         return requests

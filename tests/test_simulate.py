@@ -388,6 +388,57 @@ def test_gateways_sharing_at_once_agree_as_one_and_without_sharing_far_less(
     assert at_once["hit_ratio"] > apart["hit_ratio"]
 
 
+def test_shadow_agreement_counts_warm_requests_served_where_the_shadow_would_send_them(
+) -> None:
+    from loadtests.traces import BLOCK_TOKENS, TraceRequest, shadow_agreement
+
+    chains = [(1, 2), (1, 3), (4, 5), (1, 6), (4, 7), (4, 8)]
+    reqs = [TraceRequest(i / 10, len(c) * BLOCK_TOKENS, 4, c) for i, c in enumerate(chains)]
+    served = ["a", "a", "b", None, "c", "b"]
+    picks = ["a", "a", "b", "a", "b", "b"]
+    # Warm: 1 (agrees), 4 (c, not b) and 5 (agrees); 3 failed, 0 and 2 are cold.
+    assert shadow_agreement(reqs, served, picks) == {
+        "shadow_agreement": pytest.approx(2 / 3), "shadow_warm_requests": 3}
+
+
+def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
+    from backends.sim.profiles import PROFILES
+    from loadtests.simulate import run_pool
+    from loadtests.traces import agreement_figures, shadow_agreement
+
+    # Small caches: the gateway's index evicts, so the agreement figure counts misses.
+    workload = load_workload(workload="tenants", params={
+        "n_tenants": 60, "n_requests": 300, "rate_per_s": 40})
+    run = run_pool(workload, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 4,
+                   kv_capacity_tokens=64_000, shadow=True)
+    served = [run.names[i] if i >= 0 else None for i in run.replica_of]
+    assert run.shadow_picks is not None
+    assert all(s is not None for s in served)
+    # The same computation on the same state: every request, not only the warm ones.
+    assert run.shadow_picks == served
+    got = shadow_agreement(workload.requests, served, run.shadow_picks)
+    assert got["shadow_agreement"] == 1.0
+    figures = agreement_figures(workload.requests, served, run.reasons)
+    assert got["shadow_warm_requests"] == figures["warm_requests"] > 100
+    assert figures["agreement"] < 0.9
+    # One gateway's report leaves the shadow out (it would say 1.0).
+    assert "shadow_agreement" not in simulate(workload, "prefix_affinity", replicas=4,
+                                              kv_capacity_tokens=64_000)
+
+
+def test_gateways_not_sharing_pick_what_one_gateway_would_far_less_often(
+        tenants: Workload) -> None:
+    from loadtests.sim_sharing import Sharing
+
+    shared = simulate(tenants, "prefix_affinity", replicas=4, gateways=3)
+    apart = simulate(tenants, "prefix_affinity", replicas=4, gateways=3,
+                     sharing=Sharing(enabled=False))
+    assert shared["shadow_warm_requests"] > 50
+    assert apart["shadow_warm_requests"] > 50
+    assert shared["shadow_agreement"] > 0.9
+    assert apart["shadow_agreement"] < shared["shadow_agreement"] - 0.2
+
+
 def _two_gateways(flush_s: float, load_s: float):
     from loadtests.sim_sharing import Gateways, Sharing
     from routing import build_policy
