@@ -318,8 +318,8 @@ def run_pool(
     # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
     index_blocks = max(1, int(kv_capacity_tokens * settings.chars_per_token
                               / settings.block_chars))
-    routers = []
-    for _ in range(max(1, gateways)):
+
+    def new_router() -> Router:
         router = Router(names, policy_factory(policy, settings, engines, policy_params),
                         block_chars=settings.block_chars,
                         chars_per_token=settings.chars_per_token,
@@ -328,17 +328,10 @@ def run_pool(
                         prefill_tokens_per_s=settings.prefill_tokens_per_s)
         for n in names:
             router.resize_index(n, index_blocks)
-        routers.append(router)
-    shadow_router = None
-    if shadow if shadow is not None else len(routers) > 1:
-        shadow_router = Router(names, policy_factory(policy, settings, engines, policy_params),
-                               block_chars=settings.block_chars,
-                               chars_per_token=settings.chars_per_token,
-                               index_capacity_blocks=settings.index_capacity_blocks,
-                               key_blocks=settings.key_blocks,
-                               prefill_tokens_per_s=settings.prefill_tokens_per_s)
-        for n in names:
-            shadow_router.resize_index(n, index_blocks)
+        return router
+
+    routers = [new_router() for _ in range(max(1, gateways))]
+    shadow_router = new_router() if (shadow if shadow is not None else gateways > 1) else None
     oracles = [r.policy for r in (*routers, shadow_router)
                if r is not None and isinstance(r.policy, Oracle)]
 
@@ -349,7 +342,7 @@ def run_pool(
     order = range(n) if only is None else only
     replica_of = [-1] * n
     decisions: list[Decision | None] = [None] * n
-    shadow_picks: list[str | None] | None = [None] * n if shadow_router is not None else None
+    shadow_picks: list[str | None] = [None] * n
     # The real decisions as the shadow recorded them (its own index's match and cost).
     shadow_decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
@@ -406,14 +399,9 @@ def run_pool(
         elif t is None:
             scheduled[i] = None
 
-    def decided(rid: int) -> Decision:
-        decision = decisions[rid]
+    def decided(rid: int, recorded: list[Decision | None] = decisions) -> Decision:
+        decision = recorded[rid]
         assert decision is not None  # only dispatched requests have engine events
-        return decision
-
-    def shadow_decided(rid: int) -> Decision:
-        decision = shadow_decisions[rid]
-        assert decision is not None
         return decision
 
     def step(t: float, i: int) -> None:
@@ -437,7 +425,7 @@ def run_pool(
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
                 routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
                 if shadow_router is not None:
-                    shadow_router.first_token(shadow_decided(rid), ev.time,
+                    shadow_router.first_token(decided(rid, shadow_decisions), ev.time,
                                               reqs[rid].timestamp_s)
                 streaming[g][i] += 1
             elif ev.kind == "finished":
@@ -445,7 +433,7 @@ def run_pool(
                 out_tokens[rid] = ev.tokens
                 routers[g].finished(decided(rid), True)
                 if shadow_router is not None:
-                    shadow_router.finished(shadow_decided(rid), True)
+                    shadow_router.finished(decided(rid, shadow_decisions), True)
                 streaming[g][i] -= 1
             gws.changed(g, t)
         scheduled[i] = None
@@ -484,10 +472,13 @@ def run_pool(
         for oracle in oracles:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         gws.now = now
-        pick = (shadow_router.policy.choose(rr, scraped_views(shadow_router, now), shadow_router)
-                if shadow_router is not None else None)
-        decision = router.route(rr, views)
-        if shadow_router is not None and shadow_picks is not None and pick is not None:
+        if shadow_router is None:
+            decision = router.route(rr, views)
+        else:
+            # Asked before the real decision, on the state one gateway would have had.
+            pick = shadow_router.policy.choose(rr, scraped_views(shadow_router, now),
+                                               shadow_router)
+            decision = router.route(rr, views)
             shadow_picks[rid] = pick.replica
             shadow_decisions[rid] = tell_shadow(shadow_router, rr, pick, decision)
         i = index_of[decision.replica]
@@ -501,7 +492,7 @@ def run_pool(
         decisions[rid] = decision
         router.dispatched(decision)
         if shadow_router is not None:
-            shadow_router.dispatched(shadow_decided(rid))
+            shadow_router.dispatched(decided(rid, shadow_decisions))
         gws.changed(g, now)
         routed[i] += 1
         reschedule(i)
@@ -510,7 +501,7 @@ def run_pool(
     reasons = [d.reason if d is not None else None for d in decisions]
     return PoolRun(names, engine_list, routers, replica_of, first_at, finish_at, out_tokens,
                    inflight_at_arrival, prefill_done, routed, inflight_ratios, reasons,
-                   shadow_picks)
+                   shadow_picks if shadow_router is not None else None)
 
 
 def tell_shadow(shadow: Router, request: RoutingRequest, pick: Decision,
