@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from backends.pool import Pool
+from routing.load import NO_LOAD
 from routing.types import Decision
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class StatsRecorder:
                     "last_error": r.last_error or None,
                     "inflight": pool.load.inflight.get(r.name, 0),
                     "pending_prefill_tokens": round(pool.load.pending_prefill.get(r.name, 0.0)),
-                    "other_gateways_inflight": pool.load.remote.get(r.name, (0, 0.0, 0.0))[0],
+                    "other_gateways_inflight": pool.load.remote.get(r.name, NO_LOAD)[0],
                     "engine_step_s": _round(pool.load.steps.step_s(r.name)),
                     "prefill_tokens_per_s": _rate(pool.load.steps.replica_rate(r.name)),
                     "speed": round(pool.load.steps.speed(r.name), 3),

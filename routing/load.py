@@ -13,7 +13,8 @@ RemoteLoad = tuple[int, float, float]
 """Other gateways' load on a replica: (requests in flight, pending prefill tokens, of which
 presumably not yet computed)."""
 
-_NO_LOAD: RemoteLoad = (0, 0.0, 0.0)
+NO_LOAD: RemoteLoad = (0, 0.0, 0.0)
+"""No other gateway's load on a replica."""
 
 HEAD_CREDIT_MAX = 0.9
 """At most this share of the oldest pending request's prefill is presumed done before its
@@ -151,7 +152,7 @@ class LoadTracker:
         pending = self.pending_prefill.get(replica, 0.0)
         left = self.prefill_left(replica) if self.steps.rate > 0.0 else None
         if self.remote:
-            n, p, remote_left = self.remote.get(replica, _NO_LOAD)
+            n, p, remote_left = self.remote.get(replica, NO_LOAD)
             inflight += n
             pending += p
             if left is not None:
@@ -175,6 +176,6 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, Remot
         for replica, entry in replicas.items():
             n, pending = entry[0], float(entry[1])
             left = float(entry[2]) if len(entry) > 2 else pending
-            n0, p0, l0 = total.get(replica, _NO_LOAD)
+            n0, p0, l0 = total.get(replica, NO_LOAD)
             total[replica] = (n0 + int(n), p0 + pending, l0 + left)
     return total

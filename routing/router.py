@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from routing.hashing import char_block_hashes, key_hash
-from routing.load import LoadTracker, RemoteLoad
+from routing.load import NO_LOAD, LoadTracker, RemoteLoad
 from routing.policies import Policy
 from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
@@ -202,6 +202,6 @@ class Router:
 
     def _load_update(self, replica: str) -> None:
         load = self.load
-        n, p, _ = load.remote.get(replica, (0, 0.0, 0.0))
+        n, p, _ = load.remote.get(replica, NO_LOAD)
         self.policy.on_load_update(replica, load.inflight.get(replica, 0) + n,
                                    load.pending_prefill.get(replica, 0.0) + p)
