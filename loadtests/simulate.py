@@ -49,6 +49,7 @@ from loadtests.sim_sharing import (
     DEFAULT_FLUSH_INTERVAL_S,
     DEFAULT_LOAD_INTERVAL_S,
     Gateways,
+    Shadow,
     Sharing,
 )
 from loadtests.stats import max_over_mean, percentile, prefill_seconds
@@ -65,7 +66,6 @@ from loadtests.ttft_bound import TtftBounds, ttft_bounds
 from routing import Router, RoutingRequest, build_policy
 from routing.hashing import char_block_hashes
 from routing.policies import Policy, policy_names, settings_names
-from routing.policies.base import decide
 from routing.types import Decision, ReplicaView
 
 # The built-in policies in the order reports list them, then any other registered policy.
@@ -241,9 +241,8 @@ class PoolRun:
     inflight_ratios: list[float]
     reasons: list[str | None]
     """Per request, the route reason its gateway gave (None: not served)."""
-    shadow_picks: list[str | None] | None = None
-    """Per request, the replica the shadow single gateway would have chosen (None: not
-    routed; the list is None when no shadow ran)."""
+    shadow: Shadow | None = None
+    """The shadow single gateway, with its picks (None: no shadow ran)."""
 
     @property
     def router(self) -> Router:
@@ -306,7 +305,7 @@ def run_pool(
 
     With `shadow` (default: when there are several gateways), one more router, the shadow
     single gateway, sees every request and every event at once; before each request is
-    routed it is asked where it would send it (`PoolRun.shadow_picks`), then told where the
+    routed it is asked where it would send it (`PoolRun.shadow`), then told where the
     request really went, so that its state follows the real fleet."""
     settings = settings or RoutingSettings()
     profs = list(profiles)
@@ -331,9 +330,10 @@ def run_pool(
         return router
 
     routers = [new_router() for _ in range(max(1, gateways))]
-    shadow_router = new_router() if (shadow if shadow is not None else gateways > 1) else None
-    oracles = [r.policy for r in (*routers, shadow_router)
-               if r is not None and isinstance(r.policy, Oracle)]
+    shade = Shadow(new_router(), len(workload.requests)) if (
+        shadow if shadow is not None else gateways > 1) else None
+    oracles = [r.policy for r in (*routers, *((shade.router,) if shade else ()))
+               if isinstance(r.policy, Oracle)]
 
     reqs = workload.requests
     routing_reqs = workload.routing_requests(routers[0])
@@ -342,9 +342,6 @@ def run_pool(
     order = range(n) if only is None else only
     replica_of = [-1] * n
     decisions: list[Decision | None] = [None] * n
-    shadow_picks: list[str | None] = [None] * n
-    # The real decisions as the shadow recorded them (its own index's match and cost).
-    shadow_decisions: list[Decision | None] = [None] * n
     first_at = [math.nan] * n
     finish_at = [math.nan] * n
     out_tokens = [0] * n
@@ -399,17 +396,17 @@ def run_pool(
         elif t is None:
             scheduled[i] = None
 
-    def decided(rid: int, recorded: list[Decision | None] = decisions) -> Decision:
-        decision = recorded[rid]
+    def decided(rid: int) -> Decision:
+        decision = decisions[rid]
         assert decision is not None  # only dispatched requests have engine events
         return decision
 
     def step(t: float, i: int) -> None:
         name = names[i]
         events = engine_list[i].advance(t)
-        if shadow_router is not None and (any(s[i] for s in streaming) or any(
+        if shade is not None and (any(s[i] for s in streaming) or any(
                 ev.kind == "first_token" for ev in events)):
-            shadow_router.chunk(name, t)
+            shade.router.chunk(name, t)
         # A gateway sees this step's streamed chunks if a request of its own got a token in
         # it: one decoding there, or one whose first token this is.
         for g, router in enumerate(routers):
@@ -424,16 +421,15 @@ def run_pool(
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
                 routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
-                if shadow_router is not None:
-                    shadow_router.first_token(decided(rid, shadow_decisions), ev.time,
-                                              reqs[rid].timestamp_s)
+                if shade is not None:
+                    shade.first_token(rid, ev.time, reqs[rid].timestamp_s)
                 streaming[g][i] += 1
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
                 routers[g].finished(decided(rid), True)
-                if shadow_router is not None:
-                    shadow_router.finished(decided(rid, shadow_decisions), True)
+                if shade is not None:
+                    shade.finished(rid)
                 streaming[g][i] -= 1
             gws.changed(g, t)
         scheduled[i] = None
@@ -472,15 +468,13 @@ def run_pool(
         for oracle in oracles:
             oracle.observe(engine_hashes[rid], prompt_tokens[rid], now)
         gws.now = now
-        if shadow_router is None:
+        if shade is None:
             decision = router.route(rr, views)
         else:
             # Asked before the real decision, on the state one gateway would have had.
-            pick = shadow_router.policy.choose(rr, scraped_views(shadow_router, now),
-                                               shadow_router)
+            pick = shade.ask(rr, scraped_views(shade.router, now))
             decision = router.route(rr, views)
-            shadow_picks[rid] = pick.replica
-            shadow_decisions[rid] = tell_shadow(shadow_router, rr, pick, decision)
+            shade.tell(rid, rr, pick, decision)
         i = index_of[decision.replica]
         eng = engine_list[i]
         try:
@@ -491,8 +485,8 @@ def run_pool(
         replica_of[rid] = i
         decisions[rid] = decision
         router.dispatched(decision)
-        if shadow_router is not None:
-            shadow_router.dispatched(decided(rid, shadow_decisions))
+        if shade is not None:
+            shade.dispatched(rid)
         gws.changed(g, now)
         routed[i] += 1
         reschedule(i)
@@ -501,20 +495,7 @@ def run_pool(
     reasons = [d.reason if d is not None else None for d in decisions]
     return PoolRun(names, engine_list, routers, replica_of, first_at, finish_at, out_tokens,
                    inflight_at_arrival, prefill_done, routed, inflight_ratios, reasons,
-                   shadow_picks if shadow_router is not None else None)
-
-
-def tell_shadow(shadow: Router, request: RoutingRequest, pick: Decision,
-                real: Decision) -> Decision:
-    """Record in the shadow router the real decision `real` for `request`, which it would
-    have routed as `pick` (its policy's choice, not yet recorded): its index, and its policy's
-    balancing, count the replica the request really went to. Returns the decision as the
-    shadow sees it, for the request's later events."""
-    told = pick if pick.replica == real.replica else decide(
-        request, shadow, real.replica, real.reason, [])
-    shadow.record(told.replica, request.hashes, told.uncached_tokens)
-    shadow.policy.on_routed(request, told)
-    return told
+                   shade)
 
 
 def simulate(
@@ -599,8 +580,8 @@ def simulate(
         "gateways": len(run.routers),
         **agreement_figures(reqs, served, run.reasons),
     }
-    if run.shadow_picks is not None:
-        report.update(shadow_agreement(reqs, served, run.shadow_picks))
+    if run.shadow is not None:
+        report.update(shadow_agreement(reqs, served, run.shadow.picks, run.shadow.matched))
     if len(run.routers) > 1:
         sharing = sharing or Sharing()
         report["sharing"] = ({"flush_interval_s": sharing.flush_interval_s,

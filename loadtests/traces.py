@@ -361,27 +361,45 @@ def agreement_figures(requests: Sequence[TraceRequest], replicas: Sequence[str |
 
 
 def shadow_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
-                     picks: Sequence[str | None]) -> dict[str, Any]:
+                     picks: Sequence[str | None],
+                     matched: Sequence[tuple[int, int] | None] | None = None
+                     ) -> dict[str, Any]:
     """How often a warm request went where a shadow single gateway would have sent it:
-    `shadow_agreement` (None when none is warm) and `shadow_warm_requests`.
+    `shadow_agreement` (None when none is warm) and `shadow_warm_requests`; with `matched`,
+    also `shadow_match_agreement`.
 
     `replicas[i]` served `requests[i]` (None: failed) and `picks[i]` is the shadow's choice
     for it. Warm as in `home_agreement`: in trace order, its first block was in an earlier
     answered request. Agreement = warm requests served by the shadow's pick / warm requests.
+    `matched[i]` is (blocks of the request the shadow's index held on its pick, on the
+    replica that served it); match agreement = warm requests served by the pick or by a
+    replica holding as many of their blocks / warm requests: a different replica with as much
+    of the prompt cached is the same outcome for the cache, a choice between replicas that
+    differ only in load.
     """
     if not len(requests) == len(replicas) == len(picks):
         raise ValueError("requests, replicas and picks differ in length")
+    if matched is not None and len(matched) != len(requests):
+        raise ValueError("requests and matched differ in length")
     seen: set[int] = set()
-    warm = agreed = 0
-    for req, served, pick in zip(requests, replicas, picks, strict=True):
+    warm = agreed = as_cached = 0
+    for i, (req, served, pick) in enumerate(zip(requests, replicas, picks, strict=True)):
         if served is None or not req.hash_ids:
             continue
         first = req.hash_ids[0]
         if first in seen:
             warm += 1
-            agreed += served == pick
+            same = served == pick
+            agreed += same
+            if matched is not None:
+                held = matched[i]
+                as_cached += same or (held is not None and held[1] >= held[0])
         seen.add(first)
-    return {"shadow_agreement": agreed / warm if warm else None, "shadow_warm_requests": warm}
+    out: dict[str, Any] = {"shadow_agreement": agreed / warm if warm else None,
+                           "shadow_warm_requests": warm}
+    if matched is not None:
+        out["shadow_match_agreement"] = as_cached / warm if warm else None
+    return out
 
 
 def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceRequest]:

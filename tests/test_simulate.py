@@ -401,6 +401,23 @@ def test_shadow_agreement_counts_warm_requests_served_where_the_shadow_would_sen
         "shadow_agreement": pytest.approx(2 / 3), "shadow_warm_requests": 3}
 
 
+def test_shadow_match_agreement_also_counts_a_replica_holding_as_much_of_the_prompt() -> None:
+    from loadtests.traces import BLOCK_TOKENS, TraceRequest, shadow_agreement
+
+    chains = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]
+    reqs = [TraceRequest(i / 10, len(c) * BLOCK_TOKENS, 4, c) for i, c in enumerate(chains)]
+    served = ["a", "b", "c", "a", "d"]
+    picks = ["a", "a", "a", "a", "a"]
+    # (blocks held on the pick, on the replica that served it), in the shadow's index.
+    matched = [(0, 0), (3, 3), (3, 1), (2, 2), (2, 4)]
+    # Warm: 1 (b holds as much as a), 2 (c holds less), 3 (agrees), 4 (d holds more).
+    assert shadow_agreement(reqs, served, picks, matched) == {
+        "shadow_agreement": pytest.approx(1 / 4), "shadow_warm_requests": 4,
+        "shadow_match_agreement": pytest.approx(3 / 4)}
+    with pytest.raises(ValueError, match="matched"):
+        shadow_agreement(reqs, served, picks, matched[:-1])
+
+
 def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     from backends.sim.profiles import PROFILES
     from loadtests.simulate import run_pool
@@ -412,12 +429,13 @@ def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     run = run_pool(workload, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 4,
                    kv_capacity_tokens=64_000, shadow=True)
     served = [run.names[i] if i >= 0 else None for i in run.replica_of]
-    assert run.shadow_picks is not None
+    assert run.shadow is not None
     assert all(s is not None for s in served)
     # The same computation on the same state: every request, not only the warm ones.
-    assert run.shadow_picks == served
-    got = shadow_agreement(workload.requests, served, run.shadow_picks)
-    assert got["shadow_agreement"] == 1.0
+    assert run.shadow.picks == served
+    got = shadow_agreement(workload.requests, served, run.shadow.picks, run.shadow.matched)
+    assert got["shadow_agreement"] == got["shadow_match_agreement"] == 1.0
+    assert all(m is not None and m[0] == m[1] for m in run.shadow.matched)
     figures = agreement_figures(workload.requests, served, run.reasons)
     assert got["shadow_warm_requests"] == figures["warm_requests"] > 100
     assert figures["agreement"] < 0.9
@@ -437,6 +455,9 @@ def test_gateways_not_sharing_pick_what_one_gateway_would_far_less_often(
     assert apart["shadow_warm_requests"] > 50
     assert shared["shadow_agreement"] > 0.9
     assert apart["shadow_agreement"] < shared["shadow_agreement"] - 0.2
+    # A replica holding as much of the prompt counts too: never less than the exact figure.
+    assert shared["shadow_match_agreement"] >= shared["shadow_agreement"]
+    assert apart["shadow_match_agreement"] < shared["shadow_match_agreement"] - 0.2
 
 
 def _two_gateways(flush_s: float, load_s: float):
