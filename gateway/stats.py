@@ -98,6 +98,7 @@ class StatsRecorder:
                 "decisions_by_reason": dict(self.decisions.get(pool.name, Counter())),
                 "prefill_tokens_per_s": round(pool.load.steps.rate) or None,
                 "prefill_rate_learned": pool.load.steps.learning,
+                "chars_per_token": round(pool.router.chars_per_token, 4),
                 "replicas": reps,
             })
         return out

@@ -26,22 +26,27 @@ from loadtests.fleet import Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import wait_idle
 from loadtests.report import cell, emit_json, markdown_table
 from loadtests.settings import add_routing_settings, add_workload_param, key_value
+from loadtests.shadow import replay_shadow
 from loadtests.traces import TraceRequest, load_requests
 
 
 def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceRequest],
             count: int, redis: dict[str, Any] | None, policy: str | None,
-            routing: dict[str, Any], opts: rp.ReplayOptions) -> dict[str, Any]:
+            routing: dict[str, Any], opts: rp.ReplayOptions,
+            shadow: bool = False) -> dict[str, Any]:
     """`count` gateways (with this `redis` section, or none) in front of idle, emptied
-    replicas; the replay's result."""
+    replicas; the replay's result (with `shadow`, its shadow single gateway's figures)."""
     wait_idle(replica_urls)
     reset_prefix_caches(replica_urls)
+    shade = replay_shadow(rp.gateway_config(replica_urls, policy, routing, redis),
+                          requests) if shadow else None
     started = rp.start_gateways(fleet, replica_urls, policy, routing, count, redis,
                                 name=f"gateway-{count}{'-redis' if redis else ''}")
     procs = [proc for _, proc in started]
     try:
         cpu0 = rp.cpu_seconds(procs)
-        data = run_async(rp.replay([u for u, _ in started], replica_urls, requests, opts))
+        data = run_async(rp.replay([u for u, _ in started], replica_urls, requests, opts,
+                                   shade))
         cpu1 = rp.cpu_seconds(procs)
     finally:
         for proc in procs:
@@ -63,8 +68,10 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     """One markdown row per run; `/ 1 gw` is the mean TTFT over the first one-gateway run's
     without Redis (or the first run's)."""
     ref = next((r for r in results if r["gateways"] == 1 and not r["redis"]), results[0])
+    shadow = any("shadow_agreement" in r for r in results)
     header = ["gateways", "Redis", "requests", "errors", "TTFT mean s", "/ 1 gw", "TTFT p99 s",
-              "hit ratio", "hit/ideal", "prefill imb.", "agreement", "agr. last", "warm requests",
+              "hit ratio", "hit/ideal", "prefill imb.", "agreement", "agr. last",
+              *(["shadow agr.", "shadow match"] if shadow else []), "warm requests",
               "gateway CPU ms/req", "duration s"]
     rows = []
     for r in results:
@@ -75,6 +82,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             str(r["errors"]), _f(mean), _f(mean / ref_mean if mean and ref_mean else None),
             _f(r["ttft_p99_s"]), _f(hit), _f(hit / ideal if hit is not None and ideal else None),
             _f(r["prefill_imbalance"], 2), _f(r["agreement"]), _f(r.get("agreement_last")),
+            *([_f(r.get("shadow_agreement")), _f(r.get("shadow_match_agreement"))]
+              if shadow else []),
             str(r["warm_requests"]),
             _f(r.get("gateway_cpu_ms_per_request"), 2), _f(r["duration_s"], 1)])
     return markdown_table(header, rows)
@@ -108,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-limit", type=int, default=0,
                    help="cap on requests in flight (default 0: none, pure open loop)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--shadow", action="store_true", help="also ask a shadow single gateway, in "
+                   "the client, where one gateway would send each request: shadow_agreement "
+                   "(loadtests.replay's --shadow)")
     p.add_argument("--json", action="store_true", help="print the results as JSON, one line "
                    "each, after the table")
     p.add_argument("--output", help="append each run's JSON result to this JSONL file")
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                             args.timeout, label=policy)
                     t = time.monotonic()
                     res = run_one(fleet, urls, requests, count, redis, args.policy,
-                                  dict(args.settings), opts)
+                                  dict(args.settings), opts, args.shadow)
                     res.update(rp.sim_conditions(args), speedup=args.speedup,
                                max_output=args.max_output, source=source)
                     rp.log(f"{count} gateway(s), Redis {'on' if redis else 'off'}: done in "

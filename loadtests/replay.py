@@ -34,13 +34,14 @@ import orjson
 
 from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, describe, fleet_profiles
 from gateway import processes
-from gateway.config import RoutingSettings
+from gateway.config import RoutingSettings, load_config
 from gateway.defaults import one_pool_config
 from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import HITS, QUERIES, RUNNING, SUCCESS, WAITING, scrape_all
 from loadtests.overhead import cpu_seconds as process_cpu_seconds
 from loadtests.report import emit_json, markdown_table
 from loadtests.settings import add_routing_settings, add_workload_param, key_value
+from loadtests.shadow import ReplayShadow, replay_shadow
 from loadtests.sse import data_events
 from loadtests.stats import max_over_mean, percentile, prefill_seconds
 from loadtests.traces import (
@@ -67,6 +68,8 @@ REQUIRED_KEYS = (
 # The response header naming the replica that served a request (the gateway's; routers
 # without it leave `agreement` empty).
 REPLICA_HEADER = "x-gateway-replica"
+SHADOW_SYNC_S = 1.0
+"""How often a replay's shadow copies what a gateway learned from the engines."""
 # Why the gateway chose it (its `server.explain_headers`): classifies the warm requests that
 # missed their home (`warm_miss_reasons`).
 REASON_HEADER = "x-gateway-route-reason"
@@ -104,7 +107,7 @@ class ReplayOptions:
 
 
 async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opts: ReplayOptions,
-                lag_s: float) -> Result:
+                lag_s: float, shadow: ReplayShadow | None = None, index: int = -1) -> Result:
     max_tokens = max(1, min(req.output_tokens, opts.max_output))
     body = {
         "model": opts.model,
@@ -121,6 +124,9 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
     first = last = None
     events = 0
     usage_tokens = None
+    followed: ReplayShadow | None = None  # the shadow, once told where the request went
+    if shadow is not None:
+        shadow.ask(index, start)
     try:
         async with session.post(url, data=orjson.dumps(body),
                                 headers={"Content-Type": "application/json"}) as resp:
@@ -130,7 +136,12 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                               error=f"HTTP {resp.status}: {text}")
             replica = resp.headers.get(REPLICA_HEADER)
             reason = resp.headers.get(REASON_HEADER)
+            if shadow is not None and replica is not None and shadow.served(
+                    index, replica, reason):
+                followed = shadow
             async for data in data_events(resp.content):
+                if followed is not None and replica is not None:
+                    followed.chunk(replica, time.perf_counter())
                 if b'"completion_tokens"' in data:
                     with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
                         usage = orjson.loads(data).get("usage") or {}
@@ -148,11 +159,18 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                     if not text:
                         continue
                     first = time.perf_counter()
+                    if followed is not None:
+                        followed.first_token(index, first)
                 last = time.perf_counter()
                 events += 1
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                       error=f"{type(exc).__name__}: {exc}"[:200])
+    finally:
+        if followed is not None:
+            followed.finished(index, first is not None)
+        elif shadow is not None:
+            shadow.dropped(index)
     end = time.perf_counter()
     if first is None:
         return Result(False, latency_s=end - start, lag_s=lag_s, error="no content in stream")
@@ -176,6 +194,20 @@ async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: as
             await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
 
 
+async def _sync_shadow(session: aiohttp.ClientSession, url: str, shadow: ReplayShadow,
+                       stop: asyncio.Event) -> None:
+    """Every SHADOW_SYNC_S until `stop`: `shadow.sync` from the router's `/admin/stats` (a
+    router that does not answer it leaves the shadow with what it has)."""
+    stats_url = url.rstrip("/") + "/admin/stats"
+    while not stop.is_set():
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with session.get(stats_url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    shadow.sync(orjson.loads(await resp.read()))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), SHADOW_SYNC_S)
+
+
 @dataclass
 class RunData:
     results: list[Result] = field(default_factory=list)
@@ -184,6 +216,7 @@ class RunData:
     after: list[dict[str, float] | None] = field(default_factory=list)
     inflight_ratios: list[float] = field(default_factory=list)
     gateways: int = 1  # results[i] was sent to router i mod gateways
+    shadow: ReplayShadow | None = None
 
 
 def router_urls(text: str) -> list[str]:
@@ -192,11 +225,14 @@ def router_urls(text: str) -> list[str]:
 
 
 async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
-                 requests: Sequence[TraceRequest], opts: ReplayOptions) -> RunData:
+                 requests: Sequence[TraceRequest], opts: ReplayOptions,
+                 shadow: ReplayShadow | None = None) -> RunData:
     """Send every request at its (scaled) time, open loop, and read the replicas around it.
 
     `url` is one router or several: request i goes to router i mod len(url), as a round-robin
-    load balancer in front of them would send it.
+    load balancer in front of them would send it. With `shadow`, it is asked where one gateway
+    would send each request and follows every request's life; every SHADOW_SYNC_S it copies
+    what the first router's `/admin/stats` says it learned from the engines.
     """
     urls = router_urls(url) if isinstance(url, str) else list(url)
     if not urls:
@@ -206,34 +242,40 @@ async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
     connector = aiohttp.TCPConnector(limit=opts.concurrency_limit or 0, ttl_dns_cache=300,
                                      keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s, sock_connect=10)
-    data = RunData(gateways=len(endpoints))
+    data = RunData(gateways=len(endpoints), shadow=shadow)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
             aiohttp.ClientSession() as metrics_session:
         data.before = await scrape_all(metrics_session, replica_urls, _WANTED)
         stop = asyncio.Event()
         sampler = asyncio.create_task(
             _sampler(metrics_session, replica_urls, stop, data.inflight_ratios))
+        syncer = (asyncio.create_task(_sync_shadow(metrics_session, urls[0], shadow, stop))
+                  if shadow is not None else None)
         sem = asyncio.Semaphore(opts.concurrency_limit) if opts.concurrency_limit else None
         loop = asyncio.get_running_loop()
         t0 = loop.time() + 0.2
         wall0 = time.perf_counter()
 
-        async def fire(endpoint: str, req: TraceRequest) -> Result:
+        async def fire(endpoint: str, i: int, req: TraceRequest) -> Result:
             if sem is None:
-                return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
+                return await _send(session, endpoint, req, opts,
+                                   loop.time() - t0 - req.timestamp_s, shadow, i)
             async with sem:
-                return await _send(session, endpoint, req, opts, loop.time() - t0 - req.timestamp_s)
+                return await _send(session, endpoint, req, opts,
+                                   loop.time() - t0 - req.timestamp_s, shadow, i)
 
         tasks = []
         for i, req in enumerate(requests):
             delay = t0 + req.timestamp_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(fire(endpoints[i % len(endpoints)], req)))
+            tasks.append(asyncio.create_task(fire(endpoints[i % len(endpoints)], i, req)))
         data.results = list(await asyncio.gather(*tasks))
         data.duration_s = time.perf_counter() - wall0
         stop.set()
         await sampler
+        if syncer is not None:
+            await syncer
         # Engines update their counters when a request finishes; give them a moment.
         await asyncio.sleep(0.3)
         data.after = await scrape_all(metrics_session, replica_urls, _WANTED)
@@ -294,6 +336,8 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
     reasons = [r.reason for r in data.results]
     n = max(1, data.gateways)
     out.update(gateways=data.gateways, **agreement_figures(requests, served, reasons))
+    if data.shadow is not None:
+        out.update(data.shadow.figures(served, requests))
     out.update(
         requests_per_gateway=[len(range(g, len(data.results), n)) for g in range(n)],
         errors_per_gateway=[sum(not r.ok for r in data.results[g::n]) for g in range(n)])
@@ -320,6 +364,7 @@ def render_table(res: dict[str, Any]) -> str:
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
         "prefill_imbalance", "prefill_time_imbalance", "peak_inflight_imbalance", "gateways",
         "agreement", "agreement_last", "warm_requests", "warm_miss_reasons",
+        "shadow_agreement", "shadow_match_agreement",
         "latency_p50_s", "send_lag_p99_s", "requests_per_replica", "requests_per_gateway",
         "gateway_cpu_ms_per_request")]
     return markdown_table(["metric", "value"], rows)
@@ -458,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-urls", default="",
                    help="comma-separated replica base URLs whose /metrics to read (with --url)")
     add_routing_settings(p, "; without --url")
+    p.add_argument("--shadow", nargs="?", const="", default=None, metavar="CONFIG",
+                   help="ask a shadow single gateway, in the client, where one gateway would "
+                   "send each request, and report shadow_agreement; with --url, CONFIG is the "
+                   "routers' configuration file (their first pool's routing and replicas)")
     p.add_argument("--label", help="policy name to report (default: the policy, or 'external')")
     p.add_argument("--model", default=MODEL, help="model name to send")
     p.add_argument("--concurrency-limit", type=int, default=0,
@@ -489,9 +538,17 @@ def main(argv: list[str] | None = None) -> int:
                 urls = router_urls(args.url)
                 replica_urls = router_urls(args.replica_urls)
                 policy = args.label or "external"
+                if args.shadow == "":
+                    raise SystemExit("replay: --shadow with --url needs the routers' "
+                                     "configuration file: --shadow CONFIG")
+                shadow = (replay_shadow(load_config(args.shadow), requests)
+                          if args.shadow else None)
             else:
                 if args.replica_urls:
                     raise SystemExit("replay: --replica-urls needs --url")
+                if args.shadow:
+                    raise SystemExit("replay: --shadow CONFIG is for --url; the gateways "
+                                     "replay starts need --shadow alone")
                 if args.gateways < 1:
                     raise SystemExit("replay: --gateways must be at least 1")
                 if args.redis_set and not (args.redis or args.redis_url):
@@ -509,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                                          workers=args.gateway_workers)
                 urls = [u for u, _ in started]
                 gateways = [proc for _, proc in started]
+                shadow = (replay_shadow(gateway_config(replica_urls, args.policy,
+                                                       dict(args.settings), redis),
+                                        requests) if args.shadow is not None else None)
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and "
@@ -522,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             opts = ReplayOptions(args.max_output, args.concurrency_limit, args.timeout,
                                  args.model, policy)
             cpu_before = cpu_seconds(gateways) if gateways else None
-            data = run_async(replay(urls, replica_urls, requests, opts))
+            data = run_async(replay(urls, replica_urls, requests, opts, shadow))
             cpu_after = cpu_seconds(gateways) if gateways else None
             res = summarize(data, requests, policy, None if args.url else rates)
             if not args.url:

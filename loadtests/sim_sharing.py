@@ -11,10 +11,8 @@ import orjson
 
 from gateway.config import SharedRoutingConfig
 from gateway.shared_routing import _BLOCK_S, encode_load
-from routing import Router, RoutingRequest
+from routing import Router
 from routing.load import sum_loads
-from routing.policies.base import decide
-from routing.types import Decision, ReplicaView
 
 _DEFAULTS = SharedRoutingConfig.model_fields
 DEFAULT_FLUSH_INTERVAL_S: float = _DEFAULTS["flush_interval_s"].default
@@ -202,55 +200,3 @@ class Gateways:
             router.apply_remote_load(sum_loads(r.loads.values()))
         r.ready_at = t + self.sharing.read_pause_s
 
-
-class Shadow:
-    """The shadow single gateway: one more router that sees every request and every event of
-    a run at once, with no sharing delay, to say where one gateway would have sent each
-    request that several gateways routed.
-
-    Before a request is routed the shadow is asked where it would send it (its policy's
-    choice on the views it builds from its own, exact, load); then it is told where the
-    request really went and records that instead (its index, its load and its policy's
-    balancing of recent prefill count the real replica), so that its state follows the real
-    fleet rather than a fleet of its own."""
-
-    __slots__ = ("_told", "matched", "picks", "router")
-
-    def __init__(self, router: Router, requests: int) -> None:
-        self.router = router
-        self.picks: list[str | None] = [None] * requests
-        """Per request, the replica the shadow would have chosen (None: not routed)."""
-        self.matched: list[tuple[int, int] | None] = [None] * requests
-        """Per request, the blocks of it that the shadow's index held on its own pick and on
-        the replica that really served it (None: not routed)."""
-        self._told: list[Decision | None] = [None] * requests
-
-    def ask(self, request: RoutingRequest, views: list[ReplicaView]) -> Decision:
-        """Where the shadow would send `request`, on `views` (nothing recorded)."""
-        return self.router.policy.choose(request, views, self.router)
-
-    def tell(self, rid: int, request: RoutingRequest, pick: Decision, real: Decision) -> None:
-        """Request `rid`, for which the shadow answered `pick`, really went as `real`: the
-        shadow records that, and its pick."""
-        router = self.router
-        told = pick if pick.replica == real.replica else decide(
-            request, router, real.replica, real.reason, [])
-        router.record(told.replica, request.hashes, told.uncached_tokens)
-        router.policy.on_routed(request, told)
-        self.picks[rid] = pick.replica
-        self.matched[rid] = (pick.matched_blocks, told.matched_blocks)
-        self._told[rid] = told
-
-    def _decision(self, rid: int) -> Decision:
-        told = self._told[rid]
-        assert told is not None  # only routed requests have later events
-        return told
-
-    def dispatched(self, rid: int) -> None:
-        self.router.dispatched(self._decision(rid))
-
-    def first_token(self, rid: int, now: float, sent_at: float) -> None:
-        self.router.first_token(self._decision(rid), now, sent_at)
-
-    def finished(self, rid: int) -> None:
-        self.router.finished(self._decision(rid), True)

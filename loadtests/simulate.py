@@ -45,11 +45,11 @@ from gateway.config import HealthSettings, RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
 from loadtests.report import text_table
 from loadtests.settings import add_routing_settings, add_workload_param
+from loadtests.shadow import Shadow
 from loadtests.sim_sharing import (
     DEFAULT_FLUSH_INTERVAL_S,
     DEFAULT_LOAD_INTERVAL_S,
     Gateways,
-    Shadow,
     Sharing,
 )
 from loadtests.stats import max_over_mean, percentile, prefill_seconds

@@ -150,24 +150,27 @@ def _hand_trace(tmp_path: Path) -> Path:
     return trace
 
 
-@pytest.mark.parametrize(("gateways", "policy", "agreement"), [
+@pytest.mark.parametrize(("gateways", "policy", "agreement", "shadow"), [
     # One gateway keeps the shared prefix on the replica that has it: every warm request
-    # goes home.
-    (1, "prefix_affinity", 1.0),
+    # goes home, where the shadow single gateway sends it too.
+    (1, "prefix_affinity", 1.0, 1.0),
     # Two gateways, each cycling over 2 replicas from the first: requests land on replicas
     # 0, 0, 1, 1, 0, 0, 1, 1, 0, so exactly half of the 8 warm ones follow the one before.
-    (2, "round_robin", 0.5),
+    # One gateway would have sent them to 0, 1, 0, 1, ...: the same replica for half of them.
+    (2, "round_robin", 0.5, 0.5),
 ])
 def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int, policy: str,
-                                              agreement: float) -> None:
+                                              agreement: float, shadow: float) -> None:
     # Sent one at a time (--concurrency-limit 1) so that no load ever moves a request.
     res = run(["--trace", str(_hand_trace(tmp_path)), "--replicas", "2",
                "--gateways", str(gateways), "--policy", policy, "--time-scale", "0.02",
-               "--max-output", "4", "--concurrency-limit", "1", "--redis"])
+               "--max-output", "4", "--concurrency-limit", "1", "--redis", "--shadow"])
     assert res["errors"] == 0, res.get("first_errors")
     assert res["gateways"] == gateways
     assert res["requests_per_gateway"] == ([9] if gateways == 1 else [5, 4])
     assert (res["agreement"], res["warm_requests"]) == (agreement, 8)
+    assert (res["shadow_agreement"], res["shadow_warm_requests"]) == (shadow, 8)
+    assert res["shadow_match_agreement"] >= shadow
     assert sum(res["requests_per_replica"]) == 9
     # The gateways ran one configuration, with the Redis replay started, on ports of their own.
     names = ["gateway"] if gateways == 1 else [f"gateway-{i}" for i in range(gateways)]
