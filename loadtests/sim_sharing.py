@@ -120,7 +120,7 @@ class Gateways:
             return math.inf
         t = min(w.due for w in self._writers)
         for h in range(len(self._readers)):
-            t = min(t, self._read_time(h))
+            t = min(t, self._next_read(h))
         return t
 
     def run_until(self, t: float) -> None:
@@ -129,7 +129,7 @@ class Gateways:
             return
         while True:
             wt, g = min((w.due, i) for i, w in enumerate(self._writers))
-            rt, h = min((self._read_time(i), i) for i in range(len(self._readers)))
+            rt, h = min((self._next_read(i), i) for i in range(len(self._readers)))
             if min(wt, rt) > t:
                 return
             if wt <= rt:
@@ -157,8 +157,13 @@ class Gateways:
         timer = max(w.sleep_end, w.next_load) if s.load_interval_s > 0.0 else math.inf
         w.due = timer if not w.queue else w.sleep_end
 
-    def _read_time(self, h: int) -> float:
-        """When gateway h's reader next applies something (inf: nothing to read)."""
+    def _next_read(self, h: int) -> float:
+        """When gateway h's reader next applies something (inf: nothing to read).
+
+        On the way it moves the reader past its own gateway's messages, which it never
+        applies, and past the empty reads it would have made before the next message became
+        readable: what the reader would have done by then in any case, so asking twice
+        answers the same."""
         r = self._readers[h]
         msgs = self._messages
         i = r.cursor
