@@ -631,6 +631,46 @@ def test_until_speeds_are_learned_the_bound_follows_the_busy_speed(busy: bool) -
     assert (decision.replica == "r0") == busy
 
 
+OWN_SPEED = {"own_speed": "busy", "own_speed_step_tokens": 1024.0, "own_speed_bound": True,
+             "own_speed_spread": 2.0}
+
+
+def cold_spread(speeds: dict[str, float], settings: dict) -> Counter[str]:
+    """Where 40 cold prompts go on an idle fleet of these speeds (every view idle)."""
+    router = make_router(**settings)
+    views = [ReplicaView(name=n, speed=speeds[n]) for n in REPLICAS]
+    return Counter(router.route(router.request_from_text(
+        chat_text(system_prompt(700 + i), "q")), views).replica for i in range(40))
+
+
+def test_on_an_idle_mixed_fleet_own_speed_sends_cold_prompts_to_the_fast_replicas() -> None:
+    # r0 and r1 prefill four times as fast as r2 and r3. Idle, a request's TTFT is its own
+    # prefill there; priced whole, an idle slow replica looks as cheap as an idle fast one
+    # and balancing gives the slow ones their share.
+    speeds = {"r0": 1.6, "r1": 1.6, "r2": 0.4, "r3": 0.4}
+    assert set(cold_spread(speeds, OWN_SPEED)) <= {"r0", "r1"}
+    default = cold_spread(speeds, {})
+    assert default["r2"] + default["r3"] > 0
+
+
+def test_own_speed_leaves_a_fleet_with_one_stray_speed_alone() -> None:
+    # One replica's learned speed strays (equal replicas do on long chunked prompts): the
+    # quartiles are equal, so own_speed does not act and the decisions are the defaults'.
+    speeds = {"r0": 1.75, "r1": 1.0, "r2": 1.0, "r3": 0.25}
+    assert cold_spread(speeds, OWN_SPEED) == cold_spread(speeds, {})
+
+
+def test_own_speed_bound_keeps_a_fast_replicas_prefix_on_an_idle_fleet() -> None:
+    # No replica has prefill queued, so speed_bound does not raise r0's bound (16) and the
+    # request for its prefix leaves as a miss; with own_speed_bound the bound is scaled by
+    # r0's speed over the mean and the request stays.
+    settings = {**OWN_SPEED, "own_speed_spread": 1.0}
+    idle_fleet = {"speed": (1.6, 0.4), "pending_prefill_tokens": (0.0, 0.0)}
+    assert route_follow_up(**idle_fleet).reason == REASON_OVERFLOW
+    decision = route_follow_up(settings, **idle_fleet)
+    assert (decision.replica, decision.reason) == ("r0", REASON_AFFINITY)
+
+
 def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:
     """A prefix held by two replicas (a spill made a second copy) is a tie that balancing
     breaks on recent prefill. Balancing on its own decisions alone, a gateway that routed

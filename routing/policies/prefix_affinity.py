@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import Field
 
@@ -72,6 +73,30 @@ class PrefixAffinitySettings(PolicySettings):
                                     "waiting_kv_usage at a speed of at most 1.0: a fast "
                                     "replica that cannot admit work drains its queue no "
                                     "faster than a slow one")
+    own_speed: Literal["off", "busy", "idle", "always"] = Field(
+        "off", description="price the request's own uncached tokens at the replica's speed "
+        "(with replica_speed) where that speed is its own TTFT: 'busy' divides them by "
+        "speed ** (1 - share of replicas with prefill queued), fully on an idle fleet and not "
+        "at all on a busy one; 'idle' divides them by the speed on replicas whose own queue "
+        "is at most own_speed_queue_tokens; 'off' never")
+    own_speed_queue_tokens: float = Field(
+        256.0, ge=0.0, description="with own_speed 'idle', the largest queue (pending "
+        "prefill plus inflight_tokens per request in flight, in the replica's tokens) at "
+        "which a replica counts as idle")
+    own_speed_spread: float = Field(
+        1.0, ge=1.0, description="own_speed (and own_speed_bound) act only on a decision where "
+        "the replicas' upper-quartile speed is at least this many times their lower-quartile "
+        "speed: a fleet of two speeds, not one or two equal replicas whose learned speed "
+        "strays (on long chunked prompts single replicas show 0.14 to 1.75)")
+    own_speed_bound: bool = Field(
+        False, description="with own_speed, a replica faster than the replicas' mean speed "
+        "always gets its bounded-load limit scaled by its speed over that mean (as "
+        "speed_bound does on a busy fleet): where the request's own prefill is priced at the "
+        "speed, the common limit would turn cheap requests away from the fast replicas")
+    own_speed_step_tokens: float = Field(
+        0.0, ge=0.0, description="with own_speed, tokens added to the request's own uncached "
+        "tokens before they are priced at the speed: the fixed cost of the engine step that "
+        "prefills it, which a slower replica's steps pay more of")
 
 
 @register
@@ -132,6 +157,12 @@ class PrefixAffinity(Policy):
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
         self.blocked_speed_cap = s.blocked_speed_cap
+        self.own_speed = s.own_speed if s.replica_speed else "off"
+        self.own_speed_queue_tokens = s.own_speed_queue_tokens
+        self.own_speed_step_tokens = s.own_speed_step_tokens
+        self.own_speed_bound = s.own_speed_bound and self.own_speed != "off"
+        self.own_speed_spread = s.own_speed_spread
+        self._own_active = False
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -146,6 +177,7 @@ class PrefixAffinity(Policy):
         speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
+        self._own_active = self.own_speed != "off" and self._spread(speeds)
         bounds = self._bounds(replicas, busy)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
@@ -165,8 +197,9 @@ class PrefixAffinity(Policy):
             # its speed must not make its queue look shorter than a slow replica's.
             if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
                 speed = 1.0
-            queue = (self._pending(r) + per_request * r.inflight) / speed
-            cost = uncached + w * queue + wait
+            raw_queue = self._pending(r) + per_request * r.inflight
+            queue = raw_queue / speed
+            cost = self._own(uncached, speed, busy, raw_queue) + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
@@ -210,6 +243,30 @@ class PrefixAffinity(Policy):
             fallbacks=[row[5] for row in others],
         )
 
+    def _spread(self, speeds: Sequence[float]) -> bool:
+        """Whether the speeds are those of a fleet of mixed speeds (`own_speed_spread`)."""
+        if self.own_speed_spread <= 1.0:
+            return True
+        ranked = sorted(speeds)
+        n = len(ranked)
+        return ranked[(3 * n - 1) // 4] >= self.own_speed_spread * ranked[n // 4]
+
+    def _own(self, uncached: float, speed: float, busy: float, queue: float) -> float:
+        """The request's own uncached tokens as the cost counts them: whole, or at the
+        replica's speed where the fleet or the replica is idle enough that the request's own
+        prefill there is most of its TTFT (`own_speed`)."""
+        if not self._own_active:
+            return uncached
+        own = uncached + self.own_speed_step_tokens
+        if self.own_speed == "always":
+            return own / speed
+        if self.own_speed == "busy" and busy < 1.0:
+            return own / speed ** (1.0 - busy)
+        if self.own_speed == "idle":
+            return own / speed if queue <= self.own_speed_queue_tokens else own
+        # The same for every replica: it would change nothing but the costs' rounding.
+        return uncached
+
     def _bounds(self, replicas: Sequence[ReplicaView], busy: float) -> list[int]:
         """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
         `speed_bound` of the replicas have prefill queued (`busy`) and every replica slower
@@ -225,13 +282,14 @@ class PrefixAffinity(Policy):
         at once, and the common limit keeps the fast replicas from taking all the prefill
         (prefill imbalance by time past 1.15 on the mixed fleet's tenants otherwise)."""
         common = load_bound(replicas, self.load_factor)
-        if self.speed_bound is not None and busy >= self.speed_bound:
+        own_bound = self.own_speed_bound and self._own_active
+        if own_bound or (self.speed_bound is not None and busy >= self.speed_bound):
             speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
                       else r.speed if r.speed > 0.0 else 1.0 for r in replicas]
             mean_speed = sum(speeds) / len(speeds)
-            if (any(sp > mean_speed for sp in speeds)
-                    and all(r.pending_prefill_tokens > 0.0
-                            for r, sp in zip(replicas, speeds, strict=True) if sp < mean_speed)):
+            if any(sp > mean_speed for sp in speeds) and (own_bound or all(
+                    r.pending_prefill_tokens > 0.0
+                    for r, sp in zip(replicas, speeds, strict=True) if sp < mean_speed)):
                 mean = self.load_factor * (sum(r.inflight for r in replicas) + 1) / len(replicas)
                 return [max(common, math.ceil(mean * sp / mean_speed)) + self.load_allowance
                         for sp in speeds]
