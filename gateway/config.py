@@ -66,6 +66,12 @@ class RoutingSettings(BaseModel):
         "replica's engine step in flight (timed from its streamed chunks) in prompt tokens; "
         "None: learn it from the steps that carry a prefill; 0: ignore step timing"
     )
+    speed_decode_agrees: float = Field(
+        1.2, ge=0.0, description="a replica's learned speed departs from 1 only while its "
+        "decode-only steps, too, are more than this factor slower (or faster) than the median "
+        "replica's: equal replicas' learned prefill rates stray, their decode steps do not "
+        "(1 or less: the prefill rate alone decides)"
+    )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )

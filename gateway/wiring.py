@@ -17,6 +17,7 @@ def build_router(routing: RoutingSettings) -> Router:
         index_capacity_blocks=routing.index_capacity_blocks,
         key_blocks=routing.key_blocks,
         prefill_tokens_per_s=routing.prefill_tokens_per_s,
+        speed_decode_agrees=routing.speed_decode_agrees,
     )
 
 

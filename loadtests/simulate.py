@@ -324,7 +324,8 @@ def run_pool(
                         chars_per_token=settings.chars_per_token,
                         index_capacity_blocks=settings.index_capacity_blocks,
                         key_blocks=settings.key_blocks,
-                        prefill_tokens_per_s=settings.prefill_tokens_per_s)
+                        prefill_tokens_per_s=settings.prefill_tokens_per_s,
+                        speed_decode_agrees=settings.speed_decode_agrees)
         for n in names:
             router.resize_index(n, index_blocks)
         return router

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 
-from routing.steps import StepTimer
+from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
 
 RemoteLoad = tuple[int, float, float]
@@ -32,10 +32,11 @@ class LoadTracker:
 
     __slots__ = ("_drain", "_order", "inflight", "pending_prefill", "remote", "steps")
 
-    def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
+    def __init__(self, prefill_tokens_per_s: float | None = None,
+                 speed_decode_agrees: float = DECODE_AGREES) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
-        self.steps = StepTimer(prefill_tokens_per_s)
+        self.steps = StepTimer(prefill_tokens_per_s, speed_decode_agrees)
         self._drain: dict[str, float] = {}
         """Replica -> tokens of its oldest pending prefill that its engine has presumably
         computed: see `prefill_left`."""

@@ -9,6 +9,7 @@ from routing.load import NO_LOAD, LoadTracker, RemoteLoad
 from routing.policies import Policy
 from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
+from routing.steps import DECODE_AGREES
 from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
 
 
@@ -34,6 +35,7 @@ class Router:
         index_capacity_blocks: int = 16384,
         key_blocks: int = 1,
         prefill_tokens_per_s: float | None = None,
+        speed_decode_agrees: float = DECODE_AGREES,
     ) -> None:
         self.policy = policy
         # Most policies ignore these hooks: skip the calls (several a request) when they do.
@@ -44,7 +46,7 @@ class Router:
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
-        self.load = LoadTracker(prefill_tokens_per_s)
+        self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees)
         self.indexes: dict[str, PrefixIndex] = {}
         self.on_record: Callable[[str, Sequence[int], float], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with

@@ -33,6 +33,14 @@ prompts prefilled in chunks the gateway cannot see); priced as speeds, that scat
 prefill imbalance of an equal fleet from 1.02 to 1.15 on Mooncake at 8 replicas."""
 
 
+DECODE_AGREES = 1.2
+"""A replica's speed departs from 1 only while its decode-only steps, too, are more than this
+factor slower (or faster) than the median replica's at the same batch: a replica on a slower
+accelerator, or throttled, or sharing one, is slower at both, but equal replicas' learned
+prefill rates stray past SPEED_TOLERANCE at times (long prompts prefilled in chunks), and
+their decode steps do not."""
+
+
 class StepTimer:
     """Per replica, when its engine steps end and how long they last; per pool, the prefill rate.
 
@@ -53,11 +61,14 @@ class StepTimer:
     step outweigh cache hits and queues.
     """
 
-    __slots__ = ("_busy", "_busy_reference", "_decode", "_fixed_rate", "_rate_samples",
-                 "_rate_seconds", "_rate_tokens", "_reference", "_replicas")
+    __slots__ = ("_busy", "_busy_reference", "_decode", "_decode_ratio", "_decode_reference",
+                 "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
+                 "_replicas")
 
-    def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
+    def __init__(self, prefill_tokens_per_s: float | None = None,
+                 decode_agrees: float = DECODE_AGREES) -> None:
         self._fixed_rate = prefill_tokens_per_s
+        self._decode_ratio = decode_agrees
         self._replicas: dict[str, _Steps] = {}
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
@@ -66,6 +77,8 @@ class StepTimer:
         self._reference: float | None = None  # the median replica's own rate, when fresh
         self._busy: dict[str, _Busy] = {}
         self._busy_reference: float | None = None  # the median replica's busy rate, when fresh
+        # (batch, the median replica's decode-only step there), when fresh
+        self._decode_reference: tuple[float, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -101,7 +114,35 @@ class StepTimer:
         if reference is None:
             reference = self._reference = statistics.median(self.replica_rates().values())
         speed = own / reference
-        return speed if not 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE else 1.0
+        if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
+                replica, speed):
+            return 1.0
+        return speed
+
+    def _decode_agrees(self, replica: str, speed: float) -> bool:
+        """Whether the replica's decode-only steps are `decode_agrees` (DECODE_AGREES) times
+        slower than the median replica's (`speed` below 1) or faster (above 1). True while
+        they cannot tell: the replica's own decode steps not yet known (under a standing queue
+        from the start a replica may show none for minutes), or fewer than three replicas'
+        known; and always with `decode_agrees` at 1 or below."""
+        agrees = self._decode_ratio
+        if agrees <= 1.0:
+            return True
+        r = self._replicas.get(replica)
+        if r is None or r.decode.mean_batch() is None:
+            return True
+        reference = self._decode_reference
+        if reference is None:
+            batch = round(self._decode.mean_batch() or 1.0)
+            fits = [d for s in self._replicas.values()
+                    if (d := s.decode.predict(batch)) is not None and d > 0.0]
+            reference = self._decode_reference = (
+                float(batch), statistics.median(fits) if len(fits) >= 3 else 0.0)
+        own = r.decode.predict(round(reference[0]))
+        if own is None or own <= 0.0 or reference[1] <= 0.0:
+            return True
+        ratio = own / reference[1]
+        return ratio >= agrees if speed < 1.0 else ratio <= 1 / agrees
 
     def busy_speed(self, replica: str) -> float | None:
         """The replica's prefill throughput while busy over the median replica's, or None
@@ -128,7 +169,10 @@ class StepTimer:
                 b.tokens / b.seconds for b in self._busy.values()
                 if b.samples >= SPEED_MIN_SAMPLES and b.seconds > 0.0)
         speed = own.tokens / own.seconds / reference
-        return speed if not 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE else 1.0
+        if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
+                replica, speed):
+            return 1.0
+        return speed
 
     @property
     def learning(self) -> bool:
@@ -217,6 +261,7 @@ class StepTimer:
             own = r.decode.predict(batch)
             if not r.awaiting or own is None or length <= DECODE_ONLY_FACTOR * own:
                 r.decode.observe(batch, length)
+                self._decode_reference = None
             return
         if r.prefill is None:
             return
@@ -279,7 +324,7 @@ class StepTimer:
         """The replica left the pool: its step timing goes."""
         self._replicas.pop(replica, None)
         self._busy.pop(replica, None)
-        self._reference = self._busy_reference = None
+        self._reference = self._busy_reference = self._decode_reference = None
 
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
@@ -365,6 +410,10 @@ class DecodeFit:
         self._sy = self._sy * keep + seconds
         self._sxx = self._sxx * keep + batch * batch
         self._sxy = self._sxy * keep + batch * seconds
+
+    def mean_batch(self) -> float | None:
+        """The mean batch of the steps fitted, decayed as they are (None before any)."""
+        return self._sx / self._n if self._n >= 1.0 else None
 
     def predict(self, batch: int) -> float | None:
         n = self._n

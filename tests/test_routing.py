@@ -10,7 +10,7 @@ from routing import LoadTracker, PrefixIndex, Router, build_policy, char_block_h
 from routing.load import sum_loads
 from routing.policies import load_bound
 from routing.prompt import render_chat
-from routing.steps import StepTimer
+from routing.steps import SPEED_TOLERANCE, StepTimer
 from routing.types import (
     REASON_AFFINITY,
     REASON_COLD,
@@ -518,6 +518,25 @@ def test_each_replica_learns_its_own_prefill_rate_and_speed() -> None:
     assert load.view("r0").speed == load.view("r1").speed == load.view("r3").speed == 1.0
 
 
+def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> None:
+    # Equal replicas' learned prefill rates stray (long prompts prefilled in chunks); their
+    # decode steps do not. r2's prefill looks 2.4 times as slow, but it decodes as fast as the
+    # others: its speed stays 1. r3 is slower at prefill and also decodes 1.6 times slower,
+    # as a slower accelerator does: its speed departs.
+    load = LoadTracker()
+    for name in ("r0", "r1"):
+        feed_replica(load, name, 40, 0.05, 0.05)
+    feed_replica(load, "r2", 40, 0.05, 0.12)
+    feed_replica(load, "r3", 40, 0.08, 0.15)
+    rates = load.steps.replica_rates()
+    assert rates["r2"] == pytest.approx(1000 / 0.12, rel=0.02)
+    median = (rates["r0"] + rates["r2"]) / 2
+    assert rates["r2"] / median < 1 / SPEED_TOLERANCE  # past the tolerance, yet:
+    assert load.view("r2").speed == 1.0
+    assert load.view("r3").speed == pytest.approx(rates["r3"] / median, rel=0.01)
+    assert load.view("r3").speed < 0.5
+
+
 def test_speed_is_one_until_learned_or_with_a_configured_rate() -> None:
     load = LoadTracker()
     feed_replica(load, "r0", 3, 0.05, 0.05)  # too few samples yet
@@ -631,8 +650,7 @@ def test_until_speeds_are_learned_the_bound_follows_the_busy_speed(busy: bool) -
     assert (decision.replica == "r0") == busy
 
 
-OWN_SPEED = {"own_speed": "busy", "own_speed_step_tokens": 1024.0, "own_speed_bound": True,
-             "own_speed_spread": 2.0}
+OFF = {"own_speed": False}
 
 
 def cold_spread(speeds: dict[str, float], settings: dict) -> Counter[str]:
@@ -648,26 +666,26 @@ def test_on_an_idle_mixed_fleet_own_speed_sends_cold_prompts_to_the_fast_replica
     # prefill there; priced whole, an idle slow replica looks as cheap as an idle fast one
     # and balancing gives the slow ones their share.
     speeds = {"r0": 1.6, "r1": 1.6, "r2": 0.4, "r3": 0.4}
-    assert set(cold_spread(speeds, OWN_SPEED)) <= {"r0", "r1"}
-    default = cold_spread(speeds, {})
-    assert default["r2"] + default["r3"] > 0
+    assert set(cold_spread(speeds, {})) <= {"r0", "r1"}
+    off = cold_spread(speeds, OFF)
+    assert off["r2"] + off["r3"] > 0
 
 
 def test_own_speed_leaves_a_fleet_with_one_stray_speed_alone() -> None:
     # One replica's learned speed strays (equal replicas do on long chunked prompts): the
     # quartiles are equal, so own_speed does not act and the decisions are the defaults'.
     speeds = {"r0": 1.75, "r1": 1.0, "r2": 1.0, "r3": 0.25}
-    assert cold_spread(speeds, OWN_SPEED) == cold_spread(speeds, {})
+    assert cold_spread(speeds, {}) == cold_spread(speeds, OFF)
 
 
-def test_own_speed_bound_keeps_a_fast_replicas_prefix_on_an_idle_fleet() -> None:
-    # No replica has prefill queued, so speed_bound does not raise r0's bound (16) and the
-    # request for its prefix leaves as a miss; with own_speed_bound the bound is scaled by
-    # r0's speed over the mean and the request stays.
-    settings = {**OWN_SPEED, "own_speed_spread": 1.0}
+def test_own_speed_keeps_a_fast_replicas_prefix_on_an_idle_fleet() -> None:
+    # No replica has prefill queued, so speed_bound does not raise r0's bound (16) and,
+    # without own_speed, the request for its prefix leaves as a miss; with it the bound is
+    # scaled by r0's speed over the mean and the request stays. (One fast replica of four:
+    # the quartiles are equal, so the spread is lowered to let own_speed act.)
     idle_fleet = {"speed": (1.6, 0.4), "pending_prefill_tokens": (0.0, 0.0)}
-    assert route_follow_up(**idle_fleet).reason == REASON_OVERFLOW
-    decision = route_follow_up(settings, **idle_fleet)
+    assert route_follow_up(OFF, **idle_fleet).reason == REASON_OVERFLOW
+    decision = route_follow_up({"own_speed_spread": 1.0}, **idle_fleet)
     assert (decision.replica, decision.reason) == ("r0", REASON_AFFINITY)
 
 

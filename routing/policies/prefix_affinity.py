@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 from pydantic import Field
 
@@ -73,30 +72,24 @@ class PrefixAffinitySettings(PolicySettings):
                                     "waiting_kv_usage at a speed of at most 1.0: a fast "
                                     "replica that cannot admit work drains its queue no "
                                     "faster than a slow one")
-    own_speed: Literal["off", "busy", "idle", "always"] = Field(
-        "off", description="price the request's own uncached tokens at the replica's speed "
-        "(with replica_speed) where that speed is its own TTFT: 'busy' divides them by "
-        "speed ** (1 - share of replicas with prefill queued), fully on an idle fleet and not "
-        "at all on a busy one; 'idle' divides them by the speed on replicas whose own queue "
-        "is at most own_speed_queue_tokens; 'off' never")
-    own_speed_queue_tokens: float = Field(
-        256.0, ge=0.0, description="with own_speed 'idle', the largest queue (pending "
-        "prefill plus inflight_tokens per request in flight, in the replica's tokens) at "
-        "which a replica counts as idle")
-    own_speed_spread: float = Field(
-        1.0, ge=1.0, description="own_speed (and own_speed_bound) act only on a decision where "
-        "the replicas' upper-quartile speed is at least this many times their lower-quartile "
-        "speed: a fleet of two speeds, not one or two equal replicas whose learned speed "
-        "strays (on long chunked prompts single replicas show 0.14 to 1.75)")
-    own_speed_bound: bool = Field(
-        False, description="with own_speed, a replica faster than the replicas' mean speed "
-        "always gets its bounded-load limit scaled by its speed over that mean (as "
-        "speed_bound does on a busy fleet): where the request's own prefill is priced at the "
-        "speed, the common limit would turn cheap requests away from the fast replicas")
-    own_speed_step_tokens: float = Field(
-        0.0, ge=0.0, description="with own_speed, tokens added to the request's own uncached "
-        "tokens before they are priced at the speed: the fixed cost of the engine step that "
-        "prefills it, which a slower replica's steps pay more of")
+    own_speed: bool = Field(True, description="on a fleet of mixed speeds (see "
+                            "own_speed_spread), price the request's own uncached tokens, plus "
+                            "own_speed_step_tokens, at the replica's speed ** (1 - share of "
+                            "replicas with prefill queued): in full on an idle fleet, where "
+                            "its own prefill is the request's TTFT, not at all on a busy one; "
+                            "and raise a fast replica's bounded-load limit by its speed at "
+                            "any load, as speed_bound does on a busy fleet (with "
+                            "replica_speed only)")
+    own_speed_spread: float = Field(2.0, ge=1.0, description="own_speed acts on a decision "
+                                    "only while the replicas' upper-quartile speed is at "
+                                    "least this many times their lower-quartile speed: a "
+                                    "fleet of two speeds, not equal replicas one or two of "
+                                    "whose learned speeds stray")
+    own_speed_step_tokens: float = Field(1024.0, ge=0.0, description="with own_speed, tokens "
+                                         "added to the request's own uncached tokens before "
+                                         "they are priced at the speed: the fixed cost of "
+                                         "the engine step that prefills it, which a slower "
+                                         "replica's steps pay more of")
 
 
 @register
@@ -157,12 +150,10 @@ class PrefixAffinity(Policy):
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
         self.blocked_speed_cap = s.blocked_speed_cap
-        self.own_speed = s.own_speed if s.replica_speed else "off"
-        self.own_speed_queue_tokens = s.own_speed_queue_tokens
+        self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
-        self.own_speed_bound = s.own_speed_bound and self.own_speed != "off"
         self.own_speed_spread = s.own_speed_spread
-        self._own_active = False
+        self._own_active = False  # own_speed acts on the decision being made
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -177,7 +168,7 @@ class PrefixAffinity(Policy):
         speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
-        self._own_active = self.own_speed != "off" and self._spread(speeds)
+        self._own_active = self.own_speed and self._spread(speeds)
         bounds = self._bounds(replicas, busy)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
@@ -197,9 +188,8 @@ class PrefixAffinity(Policy):
             # its speed must not make its queue look shorter than a slow replica's.
             if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
                 speed = 1.0
-            raw_queue = self._pending(r) + per_request * r.inflight
-            queue = raw_queue / speed
-            cost = self._own(uncached, speed, busy, raw_queue) + w * queue + wait
+            queue = (self._pending(r) + per_request * r.inflight) / speed
+            cost = self._own(uncached, speed, busy) + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
@@ -251,21 +241,17 @@ class PrefixAffinity(Policy):
         n = len(ranked)
         return ranked[(3 * n - 1) // 4] >= self.own_speed_spread * ranked[n // 4]
 
-    def _own(self, uncached: float, speed: float, busy: float, queue: float) -> float:
-        """The request's own uncached tokens as the cost counts them: whole, or at the
-        replica's speed where the fleet or the replica is idle enough that the request's own
-        prefill there is most of its TTFT (`own_speed`)."""
-        if not self._own_active:
+    def _own(self, uncached: float, speed: float, busy: float) -> float:
+        """The request's own uncached tokens as the cost counts them: whole, or on a fleet of
+        mixed speeds (`own_speed`) with the step's fixed cost, at the replica's speed to the
+        power of the share of replicas with nothing queued: on an idle fleet the request's
+        own prefill there is its TTFT; on a busy one a miss is work every later request pays
+        for wherever it runs."""
+        if not self._own_active or busy >= 1.0:
+            # The same for every replica: adding the step's cost would change nothing but
+            # the costs' rounding.
             return uncached
-        own = uncached + self.own_speed_step_tokens
-        if self.own_speed == "always":
-            return own / speed
-        if self.own_speed == "busy" and busy < 1.0:
-            return own / speed ** (1.0 - busy)
-        if self.own_speed == "idle":
-            return own / speed if queue <= self.own_speed_queue_tokens else own
-        # The same for every replica: it would change nothing but the costs' rounding.
-        return uncached
+        return (uncached + self.own_speed_step_tokens) / speed ** (1.0 - busy)
 
     def _bounds(self, replicas: Sequence[ReplicaView], busy: float) -> list[int]:
         """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
@@ -282,7 +268,7 @@ class PrefixAffinity(Policy):
         at once, and the common limit keeps the fast replicas from taking all the prefill
         (prefill imbalance by time past 1.15 on the mixed fleet's tenants otherwise)."""
         common = load_bound(replicas, self.load_factor)
-        own_bound = self.own_speed_bound and self._own_active
+        own_bound = self._own_active
         if own_bound or (self.speed_bound is not None and busy >= self.speed_bound):
             speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
                       else r.speed if r.speed > 0.0 else 1.0 for r in replicas]
