@@ -279,15 +279,19 @@ class StepTimer:
             self._reference = None
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
-                     dispatched_at: float) -> None:
-        """A request sent at `dispatched_at` got its first token at `now` (after its chunk)."""
+                     dispatched_at: float, shared: bool = False) -> None:
+        """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
+        `shared`: other gateways had prefill queued on the replica, so the step may have
+        carried prefills this gateway does not know of; it teaches no rate."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
                                                                       self._same_step_s(r)):
             return
         r.firsts += 1
-        if r.prefill is not None and (dispatched_at >= _step_before_began(r)
+        if shared:
+            r.prefill = None
+        elif r.prefill is not None and (dispatched_at >= _step_before_began(r)
                                       or r.prev_decode_only):
             # This step carried the whole prefill: the request was sent while the step before
             # ran (or after this one seemed to begin: a chunk reaches the gateway a little
