@@ -97,13 +97,17 @@ class LoadTracker:
                 with suppress(ValueError):  # not sent through dispatched(): nothing to drop
                     order.remove(uncached_tokens)
         if now is not None and dispatched_at is not None:
-            # Another gateway with prefill queued there may have had first tokens in the same
-            # step, which this one cannot see: the step's length is not this request's
-            # prefill alone, and learned from, it skewed three gateways' rates (tenants
-            # near saturation: 11,451 tokens/s against one gateway's 6,651, and 20x its TTFT).
+            # Another gateway with requests there may have had first tokens in the same step,
+            # which this one cannot see (nor those it sent in the last few milliseconds, which
+            # its shared load does not show yet): the step's length is not this request's
+            # prefill alone. Learned from, such steps skewed three gateways' rates (tenants
+            # near saturation: 11,451 tokens/s against one gateway's 6,651, and 20x its mean
+            # TTFT); none learned is far better (step waits not priced, pending prefill
+            # counted whole).
             others = self.remote.get(replica)
             self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
-                                    shared=others is not None and others[1] > 0.0)
+                                    shared=others is not None and (others[0] > 0
+                                                                   or others[1] > 0.0))
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)

@@ -281,8 +281,8 @@ class StepTimer:
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
                      dispatched_at: float, shared: bool = False) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
-        `shared`: other gateways had prefill queued on the replica, so the step may have
-        carried prefills this gateway does not know of; it teaches no rate."""
+        `shared`: other gateways had requests on the replica, so the step may have carried
+        prefills this gateway does not know of; it teaches no rate."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,

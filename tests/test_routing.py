@@ -537,21 +537,18 @@ def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> N
     assert load.view("r3").speed < 0.5
 
 
-def test_a_step_another_gateway_had_prefill_queued_in_teaches_no_rate() -> None:
-    # Another gateway (or worker) has prefill queued on r1: a step there may end its
-    # prefills too, which this gateway does not see, so the step's length says nothing of
-    # this gateway's tokens. r0, where no other gateway has anything queued, learns as before.
-    load = LoadTracker()
-    load.set_remote({"r1": (2, 3000.0, 3000.0)})
-    feed_replica(load, "r0", 40, 0.05, 0.05)
-    feed_replica(load, "r1", 40, 0.05, 0.05)
-    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
-    assert load.steps.replica_rate("r1") is None
-    # Requests in flight there without prefill queued (decoding) do not stop it.
-    decoding = LoadTracker()
-    decoding.set_remote({"r1": (2, 0.0, 0.0)})
-    feed_replica(decoding, "r1", 40, 0.05, 0.05)
-    assert decoding.steps.replica_rate("r1") == pytest.approx(20_000.0, rel=0.02)
+def test_a_step_another_gateway_had_requests_in_teaches_no_rate() -> None:
+    # Another gateway (or worker) has requests on r1 (queued for prefill, or only decoding):
+    # a step there may end prefills of theirs, which this gateway does not see, so the
+    # step's length says nothing of this gateway's tokens. r0, where no other gateway has
+    # anything, learns as before.
+    for remote in ((2, 3000.0, 3000.0), (2, 0.0, 0.0)):
+        load = LoadTracker()
+        load.set_remote({"r1": remote})
+        feed_replica(load, "r0", 40, 0.05, 0.05)
+        feed_replica(load, "r1", 40, 0.05, 0.05)
+        assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
+        assert load.steps.replica_rate("r1") is None
 
 
 def test_speed_is_one_until_learned_or_with_a_configured_rate() -> None:

@@ -527,7 +527,8 @@ def test_a_busy_gateways_decision_reaches_the_others_within_10_ms_by_default() -
 def test_three_gateways_near_saturation_route_about_as_well_as_one() -> None:
     # Tenants at 18 requests/s on 8 replicas: near saturation. Each gateway learned the
     # engines' prefill rate from steps that also carried the other gateways' prefills, and
-    # three gateways' mean TTFT was 6.6x one gateway's (24.8 s against 3.8 s).
+    # three gateways' mean TTFT was 6.6x one gateway's (24.8 s against 3.8 s). Now a step
+    # with another gateway's requests on the replica teaches no rate.
     workload = load_workload(workload="tenants", params={
         "n_tenants": 300, "n_requests": 1500, "rate_per_s": 18})
     one = simulate(workload, "prefix_affinity", replicas=8)
