@@ -38,9 +38,9 @@ def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceReque
     replicas; the replay's result (with `shadow`, its shadow single gateway's figures)."""
     wait_idle(replica_urls)
     reset_prefix_caches(replica_urls)
-    shade = replay_shadow(rp.gateway_config(replica_urls, policy, routing, redis),
-                          requests) if shadow else None
-    started = rp.start_gateways(fleet, replica_urls, policy, routing, count, redis,
+    cfg = rp.gateway_config(replica_urls, policy, routing, redis)
+    shade = replay_shadow(cfg, requests) if shadow else None
+    started = rp.start_gateways(fleet, cfg, count,
                                 name=f"gateway-{count}{'-redis' if redis else ''}")
     procs = [proc for _, proc in started]
     try:

@@ -399,14 +399,11 @@ def redis_section(url: str, extra: dict[str, Any] | None = None) -> dict[str, An
     return {"url": url, "key_prefix": f"replay-{uuid.uuid4().hex[:10]}:", **(extra or {})}
 
 
-def start_gateways(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
-                   routing: dict[str, Any] | None = None, count: int = 1,
-                   redis: dict[str, Any] | None = None, name: str = "gateway",
-                   workers: int = 1) -> list[tuple[str, subprocess.Popen]]:
-    """`count` gateway processes on one configuration (`gateway_config`), each on a port of
+def start_gateways(fleet: Fleet, cfg: dict[str, Any], count: int = 1,
+                   name: str = "gateway") -> list[tuple[str, subprocess.Popen]]:
+    """`count` gateway processes on one configuration (`gateway_config`'s), each on a port of
     its own, once every one answers /ready: [(URL, process)]. Their configs and logs are
     `NAME-I.yaml` and `NAME-I.log` in the fleet's log directory (`NAME.*` for one)."""
-    cfg = gateway_config(replica_urls, policy, routing, redis, workers)
     out = []
     for i, port in enumerate(processes.free_ports(count)):
         one = {**cfg, "server": {**cfg["server"], "port": port}}
@@ -418,7 +415,7 @@ def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
                   routing: dict[str, Any] | None = None, name: str = "gateway",
                   ) -> tuple[str, subprocess.Popen]:
     """One gateway with one pool of the replicas; the policy left out means the gateway's."""
-    return start_gateways(fleet, replica_urls, policy, routing, name=name)[0]
+    return start_gateways(fleet, gateway_config(replica_urls, policy, routing), name=name)[0]
 
 
 def cpu_seconds(procs: Sequence[subprocess.Popen]) -> float | None:
@@ -561,14 +558,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.profile, args.time_scale,
                                                 fleet=args.fleet, slow=args.slow)
                 rates = [r.build().prefill_tokens_per_s for r in sims]
-                started = start_gateways(fleet, replica_urls, args.policy, dict(args.settings),
-                                         args.gateways, redis,
-                                         workers=args.gateway_workers)
+                cfg = gateway_config(replica_urls, args.policy, dict(args.settings), redis,
+                                     args.gateway_workers)
+                started = start_gateways(fleet, cfg, args.gateways)
                 urls = [u for u, _ in started]
                 gateways = [proc for _, proc in started]
-                shadow = (replay_shadow(gateway_config(replica_urls, args.policy,
-                                                       dict(args.settings), redis),
-                                        requests) if args.shadow is not None else None)
+                shadow = (replay_shadow(cfg, requests) if args.shadow is not None
+                          else None)
                 policy = args.label or args.policy or default_policy()
                 log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                     f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each) and "
