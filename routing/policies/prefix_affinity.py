@@ -153,7 +153,6 @@ class PrefixAffinity(Policy):
         self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
         self.own_speed_spread = s.own_speed_spread
-        self._own_active = False  # own_speed acts on the decision being made
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -168,8 +167,9 @@ class PrefixAffinity(Policy):
         speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
-        self._own_active = self.own_speed and self._spread(speeds)
-        bounds = self._bounds(replicas, busy)
+        # own_speed acts on this decision: on a fleet of mixed speeds that is not all busy.
+        own = self.own_speed and busy < 1.0 and self._spread(speeds)
+        bounds = self._bounds(replicas, busy, own)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         per_request = self.inflight_tokens
         self._decisions += 1
@@ -189,7 +189,14 @@ class PrefixAffinity(Policy):
             if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
                 speed = 1.0
             queue = (self._pending(r) + per_request * r.inflight) / speed
-            cost = self._own(uncached, speed, busy) + w * queue + wait
+            if own:
+                # At the speed to the power of the share of replicas with nothing queued: on
+                # an idle fleet the request's own prefill there is its TTFT; on a busy one a
+                # miss is work every later request pays for wherever it runs.
+                uncached_cost = (uncached + self.own_speed_step_tokens) / speed ** (1.0 - busy)
+            else:
+                uncached_cost = uncached
+            cost = uncached_cost + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
@@ -235,29 +242,22 @@ class PrefixAffinity(Policy):
 
     def _spread(self, speeds: Sequence[float]) -> bool:
         """Whether the speeds are those of a fleet of mixed speeds (`own_speed_spread`)."""
-        if self.own_speed_spread <= 1.0:
+        spread = self.own_speed_spread
+        if spread <= 1.0:
             return True
+        if max(speeds) < spread * min(speeds):  # equal replicas: no sort on every request
+            return False
         ranked = sorted(speeds)
         n = len(ranked)
-        return ranked[(3 * n - 1) // 4] >= self.own_speed_spread * ranked[n // 4]
+        return ranked[(3 * n - 1) // 4] >= spread * ranked[n // 4]
 
-    def _own(self, uncached: float, speed: float, busy: float) -> float:
-        """The request's own uncached tokens as the cost counts them: whole, or on a fleet of
-        mixed speeds (`own_speed`) with the step's fixed cost, at the replica's speed to the
-        power of the share of replicas with nothing queued: on an idle fleet the request's
-        own prefill there is its TTFT; on a busy one a miss is work every later request pays
-        for wherever it runs."""
-        if not self._own_active or busy >= 1.0:
-            # The same for every replica: adding the step's cost would change nothing but
-            # the costs' rounding.
-            return uncached
-        return (uncached + self.own_speed_step_tokens) / speed ** (1.0 - busy)
-
-    def _bounds(self, replicas: Sequence[ReplicaView], busy: float) -> list[int]:
+    def _bounds(self, replicas: Sequence[ReplicaView], busy: float, own: bool) -> list[int]:
         """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
         `speed_bound` of the replicas have prefill queued (`busy`) and every replica slower
-        than the replicas' mean speed is among them, one faster than that mean gets the mean
-        scaled by its speed over it instead.
+        than the replicas' mean speed is among them, or at any load when `own_speed` acts on
+        the decision (`own`: the request's own prefill is priced at the speed, and the common
+        limit would turn cheap requests away from the fast replicas), one faster than that
+        mean gets the mean scaled by its speed over it instead.
 
         Never lower: a slow replica's share is its price's business (its queue at its speed);
         scaled both ways, the limits put more prefill time on the slow replica of the slow
@@ -268,12 +268,11 @@ class PrefixAffinity(Policy):
         at once, and the common limit keeps the fast replicas from taking all the prefill
         (prefill imbalance by time past 1.15 on the mixed fleet's tenants otherwise)."""
         common = load_bound(replicas, self.load_factor)
-        own_bound = self._own_active
-        if own_bound or (self.speed_bound is not None and busy >= self.speed_bound):
+        if own or (self.speed_bound is not None and busy >= self.speed_bound):
             speeds = [r.busy_speed if self.busy_speed and r.busy_speed is not None
                       else r.speed if r.speed > 0.0 else 1.0 for r in replicas]
             mean_speed = sum(speeds) / len(speeds)
-            if any(sp > mean_speed for sp in speeds) and (own_bound or all(
+            if any(sp > mean_speed for sp in speeds) and (own or all(
                     r.pending_prefill_tokens > 0.0
                     for r, sp in zip(replicas, speeds, strict=True) if sp < mean_speed)):
                 mean = self.load_factor * (sum(r.inflight for r in replicas) + 1) / len(replicas)
