@@ -61,14 +61,14 @@ class StepTimer:
     step outweigh cache hits and queues.
     """
 
-    __slots__ = ("_busy", "_busy_reference", "_decode", "_decode_ratio", "_decode_reference",
+    __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
                  "_replicas")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  decode_agrees: float = DECODE_AGREES) -> None:
         self._fixed_rate = prefill_tokens_per_s
-        self._decode_ratio = decode_agrees
+        self._agree_factor = decode_agrees
         self._replicas: dict[str, _Steps] = {}
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
@@ -125,11 +125,9 @@ class StepTimer:
         they cannot tell: the replica's own decode steps not yet known (under a standing queue
         from the start a replica may show none for minutes), or fewer than three replicas'
         known; and always with `decode_agrees` at 1 or below."""
-        agrees = self._decode_ratio
-        if agrees <= 1.0:
-            return True
+        agrees = self._agree_factor
         r = self._replicas.get(replica)
-        if r is None or r.decode.mean_batch() is None:
+        if agrees <= 1.0 or r is None:
             return True
         reference = self._decode_reference
         if reference is None:
