@@ -246,12 +246,9 @@ class Pool:
         for r in self.replicas.values():
             usable = r.suspect if suspects else r.healthy
             if usable and model in r.models:
-                v = load.view(r.name, now)
                 snap = r.snapshot
-                if snap is not None:
-                    v.engine_waiting = int(snap.waiting or 0)
-                    v.kv_usage = snap.kv_usage
-                views.append(v)
+                views.append(load.view(r.name, now) if snap is None else load.view(
+                    r.name, now, int(snap.waiting or 0), snap.kv_usage))
         return views
 
     async def token_request(self, upstream: Upstream, payload: dict[str, Any], chat: bool,

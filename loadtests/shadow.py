@@ -92,13 +92,9 @@ class ReplayShadow:
 
     def ask(self, i: int, now: float) -> None:
         """Request i is about to be sent at `now`: where would one gateway send it?"""
-        views: list[ReplicaView] = []
-        for name in self.router.indexes:
-            view = self.router.load.view(name, now)
-            snap = self._scraped.get(name)
-            if snap is not None:
-                view.engine_waiting, view.kv_usage = snap
-            views.append(view)
+        load = self.router.load
+        views = [load.view(name, now, *self._scraped.get(name, (0, None)))
+                 for name in self.router.indexes]
         if views:
             request = self._requests[i] = self.router.request_from_text(self._texts[i])
             self._asked[i] = self.shadow.ask(request, views)

@@ -380,11 +380,9 @@ def run_pool(
                     if metrics_interval_s else lambda t: None)
 
     def scraped_views(router: Router, now: float) -> list[ReplicaView]:
-        views = [router.load.view(name, now) for name in names]
-        for view, snap in zip(views, scraped, strict=True):
-            if snap is not None:  # as Pool._views fills them from the last scrape
-                view.engine_waiting, view.kv_usage = snap
-        return views
+        # As Pool._views gives each view the engine's last scrape.
+        return [router.load.view(name, now, *(snap or ()))
+                for name, snap in zip(names, scraped, strict=True)]
 
     heap: list[tuple[float, int]] = []
     scheduled: list[float | None] = [None] * replicas

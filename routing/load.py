@@ -155,7 +155,11 @@ class LoadTracker:
             head = HEAD_CREDIT_MAX * order[0]
             self._drain[replica] = min(head, self._drain.get(replica, 0.0) + rate * extra)
 
-    def view(self, replica: str, now: float | None = None) -> ReplicaView:
+    def view(self, replica: str, now: float | None = None, engine_waiting: int = 0,
+             kv_usage: float | None = None) -> ReplicaView:
+        """What a policy sees of `replica` at `now`: this router's load there and the other
+        gateways', its step and speeds, and what the engine's last scraped metrics said
+        (`engine_waiting`, `kv_usage`; as the defaults, never scraped)."""
         wait = 0.0
         if now is not None and self.inflight.get(replica):
             wait = self.steps.rate * self.steps.remaining(replica, now)
@@ -176,6 +180,8 @@ class LoadTracker:
             prefill_left_tokens=left,
             speed=self.steps.speed(replica),
             busy_speed=self.steps.busy_speed(replica),
+            engine_waiting=engine_waiting,
+            kv_usage=kv_usage,
         )
 
 
