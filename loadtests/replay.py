@@ -337,7 +337,7 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
     n = max(1, data.gateways)
     out.update(gateways=data.gateways, **agreement_figures(requests, served, reasons))
     if data.shadow is not None:
-        out.update(data.shadow.figures(served, requests))
+        out.update(data.shadow.figures(requests, served))
     out.update(
         requests_per_gateway=[len(range(g, len(data.results), n)) for g in range(n)],
         errors_per_gateway=[sum(not r.ok for r in data.results[g::n]) for g in range(n)])

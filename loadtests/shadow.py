@@ -152,8 +152,8 @@ class ReplayShadow:
             if waiting is not None and usage is not None:
                 self._scraped[name] = (int(waiting), float(usage))
 
-    def figures(self, replicas: Sequence[str | None],
-                requests: Sequence[TraceRequest]) -> dict[str, Any]:
+    def figures(self, requests: Sequence[TraceRequest],
+                replicas: Sequence[str | None]) -> dict[str, Any]:
         """`shadow_agreement`, `shadow_match_agreement` and `shadow_warm_requests` of a run
         whose request i was served by `replicas[i]`."""
         return shadow_agreement(requests, replicas, self.shadow.picks, self.shadow.matched)

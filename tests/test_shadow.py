@@ -55,7 +55,7 @@ def test_a_request_served_by_a_replica_the_shadow_does_not_know_is_not_counted()
     assert shadow.served(1, "r1", "cold") is True
     shadow.first_token(1, 0.2)
     shadow.finished(1, True)
-    figures = shadow.figures([None, "r1"], HAND_TRACE[:2])
+    figures = shadow.figures(HAND_TRACE[:2], [None, "r1"])
     assert figures["shadow_warm_requests"] == 0  # the first was never answered: 1 is cold
     assert shadow.router.load.inflight.get("r1", 0) == 0
 
