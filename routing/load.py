@@ -107,7 +107,8 @@ class LoadTracker:
             others = self.remote.get(replica)
             self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
                                     shared=others is not None and (others[0] > 0
-                                                                   or others[1] > 0.0))
+                                                                   or others[1] > 0.0),
+                                    alone=self.pending_prefill.get(replica, 0.0) <= 0.0)
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)

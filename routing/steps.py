@@ -25,7 +25,17 @@ DECODE_ONLY_FACTOR = 1.5
 RATE_MIN_SAMPLES = 20
 """Prefill-rate samples needed before the learned rate is used."""
 SPEED_MIN_SAMPLES = 10
-"""A replica's own prefill-rate samples needed before its speed departs from 1."""
+"""A replica's own prefill-rate samples needed before its speed departs from 1, or:"""
+SPEED_ALONE_SAMPLES = 5
+"""samples from steps after which nothing of this gateway's was left queued on the replica: no
+chunk of another prompt can have hidden in them, so they need fewer. At light load most steps
+are such, and a mixed fleet's speeds are known within its first few dozen requests (multi-turn
+sessions placed on a slow replica before then stay there for their cache); under a standing
+queue few are, and the noisier samples must be more (with one sample of any kind, false
+speeds as low as a third of the truth cost the mixed fleet near saturation 30%)."""
+BUSY_MIN_SAMPLES = 10
+"""First tokens needed before a replica's throughput while busy (`busy_speed`) is used: each
+sample also holds the decode work of the steps between, which makes it noisier."""
 SPEED_TOLERANCE = 1.5
 """A replica's speed departs from 1 only when its learned rate is more than this factor off
 the median replica's. Equal replicas' own rates scatter by about 15% each way (on long
@@ -63,7 +73,7 @@ class StepTimer:
 
     __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
-                 "_replicas")
+                 "_replicas", "_unknown_speed")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  decode_agrees: float = DECODE_AGREES) -> None:
@@ -75,6 +85,7 @@ class StepTimer:
         self._rate_samples = 0
         self._decode = DecodeFit()
         self._reference: float | None = None  # the median replica's own rate, when fresh
+        self._unknown_speed: float | None = None  # what an unknown replica's speed is, when fresh
         self._busy: dict[str, _Busy] = {}
         self._busy_reference: float | None = None  # the median replica's busy rate, when fresh
         # (batch, the median replica's decode-only step there), when fresh
@@ -90,9 +101,11 @@ class StepTimer:
         return self._rate_tokens / self._rate_seconds
 
     def replica_rate(self, replica: str) -> float | None:
-        """The replica's own learned prefill rate (None until it has SPEED_MIN_SAMPLES)."""
+        """The replica's own learned prefill rate (None until it has SPEED_MIN_SAMPLES, or
+        SPEED_ALONE_SAMPLES from steps that left it nothing queued)."""
         r = self._replicas.get(replica)
-        if r is None or r.rate_samples < SPEED_MIN_SAMPLES or r.rate_seconds <= 0.0:
+        if r is None or r.rate_seconds <= 0.0 or (r.rate_samples < SPEED_MIN_SAMPLES
+                                                  and r.alone_samples < SPEED_ALONE_SAMPLES):
             return None
         return r.rate_tokens / r.rate_seconds
 
@@ -102,14 +115,23 @@ class StepTimer:
                 if (rate := self.replica_rate(name)) is not None}
 
     def speed(self, replica: str) -> float:
-        """The replica's own learned prefill rate over the median replica's, or 1.0: until
-        it is known, within SPEED_TOLERANCE of the median, and always with a configured rate.
-        A policy divides the prefill queued there by it."""
+        """The replica's own learned prefill rate over the median replica's, or 1.0: within
+        SPEED_TOLERANCE of the median, and always with a configured rate. A policy divides
+        the prefill queued there by it.
+
+        Until its own rate is known, a replica of a pool whose known speeds already differ (a
+        mixed fleet) gets the fastest of them: priced at 1, a fast replica that has not
+        served yet may lose every request to replicas that hold the prefixes, and never show
+        its speed, while a slow one priced as fast serves a request or two and is known."""
         if self._fixed_rate is not None:
             return 1.0
         own = self.replica_rate(replica)
         if own is None:
-            return 1.0
+            unknown = self._unknown_speed
+            if unknown is None:
+                unknown = self._unknown_speed = max(
+                    (self.speed(name) for name in self.replica_rates()), default=1.0)
+            return unknown if unknown > 1.0 else 1.0
         reference = self._reference
         if reference is None:
             reference = self._reference = statistics.median(self.replica_rates().values())
@@ -144,7 +166,7 @@ class StepTimer:
 
     def busy_speed(self, replica: str) -> float | None:
         """The replica's prefill throughput while busy over the median replica's, or None
-        while its own rate is learned (`speed` holds) or it has fewer than SPEED_MIN_SAMPLES
+        while its own rate is learned (`speed` holds) or it has fewer than BUSY_MIN_SAMPLES
         first tokens; 1.0 within SPEED_TOLERANCE of the median, and always with a configured
         rate.
 
@@ -159,13 +181,13 @@ class StepTimer:
         if self.replica_rate(replica) is not None:
             return None
         own = self._busy.get(replica)
-        if own is None or own.samples < SPEED_MIN_SAMPLES or own.seconds <= 0.0:
+        if own is None or own.samples < BUSY_MIN_SAMPLES or own.seconds <= 0.0:
             return None
         reference = self._busy_reference
         if reference is None:
             reference = self._busy_reference = statistics.median(
                 b.tokens / b.seconds for b in self._busy.values()
-                if b.samples >= SPEED_MIN_SAMPLES and b.seconds > 0.0)
+                if b.samples >= BUSY_MIN_SAMPLES and b.seconds > 0.0)
         speed = own.tokens / own.seconds / reference
         if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
                 replica, speed):
@@ -259,7 +281,7 @@ class StepTimer:
             own = r.decode.predict(batch)
             if not r.awaiting or own is None or length <= DECODE_ONLY_FACTOR * own:
                 r.decode.observe(batch, length)
-                self._decode_reference = None
+                self._decode_reference = self._unknown_speed = None
             return
         if r.prefill is None:
             return
@@ -274,19 +296,23 @@ class StepTimer:
             r.rate_tokens = r.rate_tokens * keep + r.prefill
             r.rate_seconds = r.rate_seconds * keep + (length - own)
             r.rate_samples += 1
-            self._reference = None
+            if r.left_alone:
+                r.alone_samples += 1
+            self._reference = self._unknown_speed = None
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
-                     dispatched_at: float, shared: bool = False) -> None:
+                     dispatched_at: float, shared: bool = False, alone: bool = False) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
         `shared`: other gateways had requests on the replica, so the step may have carried
-        prefills this gateway does not know of; it teaches no rate."""
+        prefills this gateway does not know of; it teaches no rate. `alone`: after it,
+        nothing this gateway sent there awaits its first token."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
                                                                       self._same_step_s(r)):
             return
         r.firsts += 1
+        r.left_alone = alone
         if shared:
             r.prefill = None
         elif r.prefill is not None and (dispatched_at >= _step_before_began(r)
@@ -327,6 +353,7 @@ class StepTimer:
         self._replicas.pop(replica, None)
         self._busy.pop(replica, None)
         self._reference = self._busy_reference = self._decode_reference = None
+        self._unknown_speed = None
 
     def remaining(self, replica: str, now: float) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue)."""
@@ -357,9 +384,9 @@ def _typical_same_step_s(r: _Steps) -> float:
 class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
-    __slots__ = ("awaiting", "batch", "decode", "firsts", "last_end", "prefill",
-                 "prev_decode_only", "prev_end", "prev_start", "rate_samples", "rate_seconds",
-                 "rate_tokens", "step_s")
+    __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "last_end",
+                 "left_alone", "prefill", "prev_decode_only", "prev_end", "prev_start",
+                 "rate_samples", "rate_seconds", "rate_tokens", "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
@@ -369,6 +396,7 @@ class _Steps:
         self.batch = 0  # requests in flight when the last step ended
         self.awaiting = False  # a prefill was waiting when the step in flight began
         self.firsts = 0  # first tokens at the end of the last step
+        self.left_alone = False  # the last of them left nothing of this gateway's queued
         # Uncached tokens whose prefill ended in the last step; None when the step also
         # finished a prefill that cannot be attributed to it alone.
         self.prefill: float | None = 0.0
@@ -377,6 +405,7 @@ class _Steps:
         self.rate_tokens = 0.0
         self.rate_seconds = 0.0
         self.rate_samples = 0
+        self.alone_samples = 0  # of which from steps that left nothing queued (`left_alone`)
         self.decode = DecodeFit()
 
 
