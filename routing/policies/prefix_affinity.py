@@ -77,6 +77,7 @@ class PrefixAffinitySettings(PolicySettings):
                             "own_speed_step_tokens, at the replica's speed ** (1 - share of "
                             "replicas with prefill queued): in full on an idle fleet, where "
                             "its own prefill is the request's TTFT, not at all on a busy one; "
+                            "count requests in flight (inflight_tokens) times that share; "
                             "and raise a fast replica's bounded-load limit by its speed at "
                             "any load, as speed_bound does on a busy fleet (with "
                             "replica_speed only)")
@@ -188,13 +189,18 @@ class PrefixAffinity(Policy):
             # its speed must not make its queue look shorter than a slow replica's.
             if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
                 speed = 1.0
-            queue = (self._pending(r) + per_request * r.inflight) / speed
             if own:
                 # At the speed to the power of the share of replicas with nothing queued: on
                 # an idle fleet the request's own prefill there is its TTFT; on a busy one a
-                # miss is work every later request pays for wherever it runs.
+                # miss is work every later request pays for wherever it runs. Decoding
+                # requests count as queue only as far as the fleet is busy: on an idle one
+                # each lengthens the request's prefill step by a millisecond or so, and counted
+                # whole they outweighed a fast replica's speed and sent requests to a slow
+                # replica for having fewer in flight.
+                queue = (self._pending(r) + per_request * busy * r.inflight) / speed
                 uncached_cost = (uncached + self.own_speed_step_tokens) / speed ** (1.0 - busy)
             else:
+                queue = (self._pending(r) + per_request * r.inflight) / speed
                 uncached_cost = uncached
             cost = uncached_cost + w * queue + wait
             eligible = r.inflight + 1 <= bound
