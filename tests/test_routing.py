@@ -553,13 +553,45 @@ def test_a_step_another_gateway_had_requests_in_teaches_no_rate() -> None:
 
 def test_speed_is_one_until_learned_or_with_a_configured_rate() -> None:
     load = LoadTracker()
-    feed_replica(load, "r0", 3, 0.05, 0.05)  # too few samples yet
+    feed_replica(load, "r0", 5, 0.05, 0.05)  # 4 samples: too few yet
     assert load.steps.replica_rate("r0") is None
     assert load.view("r0").speed == 1.0
     fixed = LoadTracker(prefill_tokens_per_s=9000.0)
     feed_replica(fixed, "r0", 40, 0.05, 0.05)
     feed_replica(fixed, "r1", 40, 0.15, 0.15)
     assert fixed.view("r1").speed == fixed.view("r0").speed == 1.0
+
+
+def test_samples_from_steps_that_left_nothing_queued_teach_a_speed_sooner() -> None:
+    # Each step here that ends a prefill leaves nothing else of this gateway's awaiting a
+    # first token on r0: no chunk of another prompt can have hidden in it, and five such
+    # samples give the rate. On r1 a long prompt stays queued throughout: its steps may hold
+    # chunks of it, and the rate needs ten.
+    load = LoadTracker()
+    feed_replica(load, "r0", 6, 0.05, 0.05)  # 5 samples
+    load.dispatched("r1", 50_000.0)
+    feed_replica(load, "r1", 6, 0.05, 0.05)
+    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
+    assert load.steps.replica_rate("r1") is None
+    feed_replica(load, "r1", 6, 0.05, 0.05, start=10.0)
+    assert load.steps.replica_rate("r1") == pytest.approx(20_000.0, rel=0.02)
+
+
+def test_on_a_mixed_fleet_a_replica_not_yet_learned_is_priced_as_the_fastest() -> None:
+    # r1 is four times slower than r0; r2 has not served yet. Priced at 1, between the two,
+    # a fast r2 could lose every request to r0 (which holds the prefixes) and to r1, and
+    # never show its speed; priced as the fastest it is sent work, and a slow r2 serves one
+    # request before it is known.
+    load = LoadTracker()
+    feed_replica(load, "r0", 40, 0.05, 0.05)
+    feed_replica(load, "r1", 40, 0.2, 0.2)
+    assert load.view("r1").speed < load.view("r0").speed
+    assert load.view("r2").speed == load.view("r0").speed > SPEED_TOLERANCE
+    # Equal replicas: one not yet learned is priced at 1, as they are.
+    equal = LoadTracker()
+    for name in ("r0", "r1"):
+        feed_replica(equal, name, 40, 0.05, 0.05)
+    assert equal.view("r2").speed == equal.view("r0").speed == 1.0
 
 
 def test_a_slow_replica_is_charged_its_queue_at_its_own_speed() -> None:
@@ -683,6 +715,23 @@ def test_on_an_idle_mixed_fleet_own_speed_sends_cold_prompts_to_the_fast_replica
     assert set(cold_spread(speeds, {})) <= {"r0", "r1"}
     off = cold_spread(speeds, OFF)
     assert off["r2"] + off["r3"] > 0
+
+
+def test_on_an_idle_mixed_fleet_requests_in_flight_do_not_outweigh_speed() -> None:
+    # Every replica holds the hot prompt; r0 and r1 are four times as fast and have 20
+    # requests decoding each, r2 and r3 three. With nothing queued anywhere, decoding
+    # requests lengthen the next step by a millisecond or so each: the request's own
+    # prefill decides, and it is four times shorter on a fast replica. Counted whole (256
+    # tokens each, as on a busy fleet), the in-flight requests sent it to a slow one.
+    router = make_router(balance_horizon=0)
+    text = chat_text(system_prompt(41), "q")
+    for name in REPLICAS:
+        router.route(router.request_from_text(text), [ReplicaView(name=name)])
+    views = [ReplicaView(name=n, inflight=20 if n in ("r0", "r1") else 3,
+                         speed=1.6 if n in ("r0", "r1") else 0.4) for n in REPLICAS]
+    picks = {router.route(router.request_from_text(chat_text(system_prompt(41), f"u{i}")),
+                          views).replica for i in range(10)}
+    assert picks <= {"r0", "r1"}
 
 
 def test_own_speed_leaves_a_fleet_with_one_stray_speed_alone() -> None:
