@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,6 +43,40 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; else its default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def consecutive_free_ports(n: int, host: str = "127.0.0.1", low: int = 20000) -> int:
+    """A base port such that base .. base+n-1 are free now, below the kernel's ephemeral
+    range: a process may bind its ports many seconds after they were chosen (a real engine
+    imports and loads first), and meanwhile any outgoing connection on the machine may be
+    given a free port from that range (a vLLM replica failed to bind one that way)."""
+    high = _ephemeral_low() - n
+    if high <= low:
+        low, high = 1024, 65535 - n
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, high)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def spawn(args: Sequence[str], log_path: str | None = None,

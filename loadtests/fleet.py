@@ -27,28 +27,6 @@ CHILD_ENV = {"PYTHONPATH": str(REPO)}
 MODEL = "tiny"
 
 
-def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
-    """A base port such that base .. base+n-1 are all free now (multi-replica processes
-    listen on consecutive ports)."""
-    for _ in range(200):
-        base = processes.free_ports(1, host)[0]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind((host, p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 @functools.cache
 def _has_taskset() -> bool:
     return shutil.which("taskset") is not None
@@ -91,7 +69,7 @@ class Fleet:
         can run several such processes (one per pool). `fleet` and `slow` give the replicas
         mixed speeds (backends/sim/fleet_spec.py; `fleet` must describe `n` replicas).
         """
-        base = consecutive_free_ports(n)
+        base = processes.consecutive_free_ports(n)
         mixed = [*(["--fleet", fleet] if fleet else []), *(["--slow", slow] if slow else [])]
         proc = self.spawn([sys.executable, "-m", "backends.sim", "--port", str(base),
                            "--count", str(n), "--kind", "vllm", "--model", model,
@@ -105,7 +83,7 @@ class Fleet:
     def start_stubs(self, n: int, core: int | None = None,
                     deadline_s: float = 20.0) -> tuple[subprocess.Popen, list[str]]:
         """`n` instant stub replicas (stub_replica.py) in one process, optionally on one core."""
-        base = consecutive_free_ports(n)
+        base = processes.consecutive_free_ports(n)
         proc = self.spawn(pinned([sys.executable, "-m", "loadtests.stub_replica",
                                   "--port", str(base), "--count", str(n)], core), "stub")
         urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]

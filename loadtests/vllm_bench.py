@@ -37,8 +37,9 @@ import aiohttp
 import orjson
 
 from backends.vllm_cpu import launch
+from gateway.processes import consecutive_free_ports
 from loadtests.caches import reset_prefix_caches
-from loadtests.fleet import MODEL, Fleet, consecutive_free_ports, run_async, sigterm_as_interrupt
+from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
 from loadtests.metrics import (
     ENGINE_QUEUE,
     ENGINE_TTFT,

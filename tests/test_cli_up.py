@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -82,3 +83,16 @@ def test_up_serves_both_pools_and_stops_everything(tmp_path, capsys, sig, flags,
     log = (tmp_path / "up.log").read_text()
     assert "serving on" in log
     assert "UNAUTHENTICATED" in log and "--api-key" in log  # said at start, without keys
+
+
+def test_ports_chosen_for_a_late_bind_are_free_and_below_the_ephemeral_range() -> None:
+    # A real engine binds its ports only after it has imported and loaded (seconds to a
+    # minute); a port from the ephemeral range could meanwhile be given to any outgoing
+    # connection, and a vLLM replica once failed to start on "Address already in use".
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        base = processes.consecutive_free_ports(3)
+        assert base + 3 <= low
+        for port in range(base, base + 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))

@@ -22,9 +22,8 @@ pytestmark = pytest.mark.engine
 def test_up_runs_the_default_on_real_vllm_and_stops_it(tmp_path) -> None:
     port = processes.free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    base = processes.free_ports(1)[0]
-    while base > 64000:
-        base = processes.free_ports(1)[0]
+    # Below the ephemeral range: the engines bind their ports only once vLLM has imported.
+    base = processes.consecutive_free_ports(2)
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--engine", "vllm-cpu",
                             "--port", str(port), "--realtime-replicas", "1",
                             "--batch-replicas", "1", "--engine-base-port", str(base),
