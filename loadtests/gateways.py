@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from backends.sim.fleet_spec import describe
 from loadtests import replay as rp
 from loadtests.caches import reset_prefix_caches
 from loadtests.fleet import Fleet, run_async, sigterm_as_interrupt
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, help="gateway routing policy (default: the "
                    "gateway's)")
     add_routing_settings(p)
-    p.add_argument("--replicas", type=int, default=8)
+    rp.add_fleet_arguments(p)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=rp.DEFAULT_MAX_OUTPUT)
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gateways: no requests to send")
     source = args.workload or Path(str(args.trace).rstrip("/")).name
     policy = args.policy or rp.default_policy()
+    sims = rp.sim_fleet(args)
+    args.replicas = len(sims)
     fleet = Fleet()
     results: list[dict[str, Any]] = []
     try:
@@ -148,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             if True in modes:
                 redis_url = args.redis_url or fleet.start_redis()
             urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
-                                    args.time_scale)
-            rp.log(f"{args.replicas} simulated replicas ({args.profile}, time scale "
+                                    args.time_scale, fleet=args.fleet, slow=args.slow)
+            rp.log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
             for with_redis in modes:
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         fleet.stop()
     print(f"\n{source}: {len(requests)} requests, speedup {args.speedup}, {args.replicas} "
-          f"replicas ({args.profile}, time scale {args.time_scale}, "
+          f"replicas ({describe(sims)}, time scale {args.time_scale}, "
           f"{args.kv_capacity_tokens} KV tokens each), policy {policy}\n")
     print(results_table(results), end="", flush=True)
     if args.json:

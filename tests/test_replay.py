@@ -206,3 +206,18 @@ def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Pa
             line.startswith("| 2 ")]
     assert len(rows) == 2 and all("| yes |" in row for row in rows)
     assert "| 0.500 | 0.000 | 8 |" in rows[0] and "| 0.500 | 0.500 | 8 |" in rows[1]
+
+
+def test_gateways_runs_on_a_fleet_of_mixed_speeds(capsys, tmp_path: Path) -> None:
+    # --fleet as in replay and compare_http: the replicas and their speeds, named in the
+    # table's heading; the replica count is the fleet's.
+    trace = _hand_trace(tmp_path)
+    out = tmp_path / "runs.jsonl"
+    code = gateways_main(["--trace", str(trace), "--fleet", "llama-8b-h200:1,qwen-32b-h200:1",
+                          "--counts", "1", "--policy", "round_robin", "--time-scale", "0.02",
+                          "--max-output", "4", "--concurrency-limit", "1",
+                          "--output", str(out)])
+    assert code == 0
+    assert "2 replicas (1 x llama-8b-h200 + 1 x qwen-32b-h200" in capsys.readouterr().out
+    [run] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (run["requests"], run["errors"], run["replicas"]) == (9, 0, 2)
