@@ -120,18 +120,16 @@ class StepTimer:
         the prefill queued there by it.
 
         Until its own rate is known, a replica of a pool whose known speeds already differ (a
-        mixed fleet) gets the fastest of them: priced at 1, a fast replica that has not
-        served yet may lose every request to replicas that hold the prefixes, and never show
-        its speed, while a slow one priced as fast serves a request or two and is known."""
+        mixed fleet) gets the fastest of them, if above 1: priced at 1, a fast replica that
+        has not served yet may lose every request to replicas that hold the prefixes, and never
+        show its speed, while a slow one priced as fast serves a few requests and is known."""
         if self._fixed_rate is not None:
             return 1.0
         own = self.replica_rate(replica)
         if own is None:
-            unknown = self._unknown_speed
-            if unknown is None:
-                unknown = self._unknown_speed = max(
-                    (self.speed(name) for name in self.replica_rates()), default=1.0)
-            return unknown if unknown > 1.0 else 1.0
+            if self._unknown_speed is None:
+                self._unknown_speed = max([1.0, *map(self.speed, self.replica_rates())])
+            return self._unknown_speed
         reference = self._reference
         if reference is None:
             reference = self._reference = statistics.median(self.replica_rates().values())

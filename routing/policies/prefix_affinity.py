@@ -172,7 +172,12 @@ class PrefixAffinity(Policy):
         own = self.own_speed and busy < 1.0 and self._spread(speeds)
         bounds = self._bounds(replicas, busy, own)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
-        per_request = self.inflight_tokens
+        # With own_speed, decoding requests count as queue only as far as the fleet is busy:
+        # on an idle one each lengthens the request's prefill step by a millisecond or so, and
+        # counted whole they outweighed a fast replica's speed and sent requests to a slow
+        # replica for having fewer in flight.
+        per_request = self.inflight_tokens * busy if own else self.inflight_tokens
+        own_exponent = 1.0 - busy
         self._decisions += 1
 
         # (cost, matched, weight, uncached, eligible, name, step wait)
@@ -189,19 +194,12 @@ class PrefixAffinity(Policy):
             # its speed must not make its queue look shorter than a slow replica's.
             if self.blocked_speed_cap and speed > 1.0 and self._blocked(r):
                 speed = 1.0
-            if own:
-                # At the speed to the power of the share of replicas with nothing queued: on
-                # an idle fleet the request's own prefill there is its TTFT; on a busy one a
-                # miss is work every later request pays for wherever it runs. Decoding
-                # requests count as queue only as far as the fleet is busy: on an idle one
-                # each lengthens the request's prefill step by a millisecond or so, and counted
-                # whole they outweighed a fast replica's speed and sent requests to a slow
-                # replica for having fewer in flight.
-                queue = (self._pending(r) + per_request * busy * r.inflight) / speed
-                uncached_cost = (uncached + self.own_speed_step_tokens) / speed ** (1.0 - busy)
-            else:
-                queue = (self._pending(r) + per_request * r.inflight) / speed
-                uncached_cost = uncached
+            queue = (self._pending(r) + per_request * r.inflight) / speed
+            # With own_speed, at the speed to the power of the share of replicas with nothing
+            # queued: on an idle fleet the request's own prefill there is its TTFT; on a busy
+            # one a miss is work every later request pays for wherever it runs.
+            uncached_cost = ((uncached + self.own_speed_step_tokens) / speed ** own_exponent
+                             if own else uncached)
             cost = uncached_cost + w * queue + wait
             eligible = r.inflight + 1 <= bound
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
