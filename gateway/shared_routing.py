@@ -20,6 +20,12 @@ connection of its own:
   (`Router.apply_remote_load`), then reads again after `flush_interval_s`. A load older than
   `load_ttl_s` no longer counts; a gateway that stops says it has none.
 
+Each write also carries, when it changed and at most every `RATES_INTERVAL_S`, what the
+gateway learned of each replica's own prefill rate (`Router.own_rates`); the others count it
+with their own samples (`Router.apply_remote_rates`) until it leaves the registry. A gateway
+sees only its share of a replica's steps, and none it can learn from while another gateway's
+prefill is queued there: alone, three gateways learned almost none of a mixed fleet's speeds.
+
 The gateways find each other in a registry (`{prefix}routing:gateways`, a sorted set of ids
 scored by their last heartbeat): every `_PEERS_EVERY_S` the reader refreshes its own entry
 (and the expiry of its streams) and reads which others are there, so that a gateway that
@@ -53,6 +59,7 @@ from gateway.config import RedisConfig
 from gateway.observe import Observer
 from gateway.redis_link import UNAVAILABLE, Messages, RedisLink
 from routing.load import sum_loads
+from routing.steps import sum_rates
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -87,6 +94,9 @@ _PEER_TTL_S = 10.0
 _STREAM_TTL_S = 120.0
 """A gateway's streams expire this long after its last heartbeat (it stopped or crashed):
 long enough for the others to read its last entries."""
+RATES_INTERVAL_S = 0.25
+"""At most this often a gateway looks at what it learned of each replica's prefill rate, and
+publishes it if it changed: every sample changes it, and a speed needs a few dozen samples."""
 _FORGOTTEN_IDS = 4096
 """Last ids kept for streams no longer read (a peer that returns resumes where it was)."""
 
@@ -95,6 +105,12 @@ def encode_load(router: Router) -> bytes:
     """A router's own load as a gateway publishes it (keys sorted: an unchanged load is the
     same bytes, and is not written again)."""
     return orjson.dumps(router.load.own_load(), option=orjson.OPT_SORT_KEYS)
+
+
+def encode_rates(router: Router) -> bytes:
+    """What a router learned of each replica's own prefill rate, as a gateway publishes it
+    (keys sorted: unchanged, it is not written again)."""
+    return orjson.dumps(router.own_rates(), option=orjson.OPT_SORT_KEYS)
 
 
 def _pairs(reply: Any) -> dict[bytes, Any]:
@@ -153,6 +169,15 @@ class SharedRouting:
         self._republished = 0.0
         self._own_load: dict[str, bytes] = {}
         self._load_sent = 0.0
+        self._own_rates: dict[str, bytes] = {}
+        """Pool -> what this gateway last published of the replicas' rates (`encode_rates`)."""
+        self._rates_at = -RATES_INTERVAL_S
+        """When the writer last looked at them (monotonic)."""
+        self._rates: dict[str, dict[str, dict[str, list[float]]]] = {
+            name: {} for name in self.pools}
+        """Pool -> other gateway's id -> what it learned of each replica's rate (its last
+        `own_rates`), kept while it is in the registry: what it learned stays true after it
+        stops sending requests."""
         self._check_gap = False
         self._loads: dict[str, dict[bytes, tuple[float, dict[str, list[float]]]]] = {
             name: {} for name in self.pools}
@@ -221,6 +246,7 @@ class SharedRouting:
             for pool in self.pools.values():
                 pool.router.apply_remote_load({})
             self._own_load = {}  # publish it again as soon as Redis is back
+            self._own_rates = {}
             self._check_gap = True
             # Say this gateway is alive, and look for the others, as soon as it is back (a
             # Redis restarted without its data has an empty registry).
@@ -338,6 +364,13 @@ class SharedRouting:
                     loads[pool.name] = own
             if loads:
                 self._load_sent = now
+        rates: dict[str, bytes] = {}
+        if (with_load or batch) and time.monotonic() - self._rates_at >= RATES_INTERVAL_S:
+            self._rates_at = time.monotonic()
+            for pool in self.pools.values():
+                learned = encode_rates(pool.router)
+                if learned != self._own_rates.get(pool.name, b"{}"):
+                    rates[pool.name] = learned
         commands: list[tuple[Any, ...]] = []
         heartbeat_due = time.monotonic() - self._heartbeat_at >= _PEERS_EVERY_S
         encoded = {name: orjson.dumps(items, default=list) for name, items in pools.items()}
@@ -347,6 +380,8 @@ class SharedRouting:
                 fields += ["d", encoded[name]]
             if name in loads:
                 fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
+            if name in rates:
+                fields += ["s", rates[name]]
             if fields:
                 commands.append(("XADD", self.streams[name], *trim, "*", "g", self.id, *fields))
         if republish:
@@ -371,6 +406,7 @@ class SharedRouting:
         if heartbeat_due:
             self._heartbeat_at = time.monotonic()
         self._own_load.update(loads)
+        self._own_rates.update(rates)
         for pool, items in pools.items():
             self._remember(pool, len(items), encoded[pool])
             self.observer.shared_inserts(pool, "published", len(items))
@@ -439,6 +475,13 @@ class SharedRouting:
         gateway had left it), a dropped one's no longer (where it was is kept)."""
         if peers == self.peers:
             return
+        if peers - self.peers:
+            self._own_rates = {}  # a newcomer learns what this gateway knows at its next write
+        for name, theirs in self._rates.items():
+            if any(g not in peers for g in theirs):
+                for gone in [g for g in theirs if g not in peers]:
+                    del theirs[gone]
+                self.pools[name].router.apply_remote_rates(sum_rates(theirs.values()))
         self.peers = peers
         self._pool_of_stream = {self._stream(pool, g).encode(): pool
                                 for g in sorted(peers) for pool in self.pools}
@@ -533,6 +576,11 @@ class SharedRouting:
             if b"q" in fields:  # a peer missed entries: publish ours again
                 self._republish_at = self._republish_at or time.monotonic()
                 continue
+            raw_rates = fields.get(b"s")
+            if raw_rates is not None:
+                rates = self._rates[pool_name]
+                rates[fields[b"g"].decode()] = orjson.loads(raw_rates)
+                router.apply_remote_rates(sum_rates(rates.values()))
             raw_load = fields.get(b"l")
             if raw_load is not None:
                 value = orjson.loads(raw_load)

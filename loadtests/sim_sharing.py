@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 
 from gateway.config import SharedRoutingConfig
-from gateway.shared_routing import _BLOCK_S, encode_load
+from gateway.shared_routing import _BLOCK_S, RATES_INTERVAL_S, encode_load, encode_rates
 from routing import Router
 from routing.load import sum_loads
+from routing.steps import sum_rates
 
 _DEFAULTS = SharedRoutingConfig.model_fields
 DEFAULT_FLUSH_INTERVAL_S: float = _DEFAULTS["flush_interval_s"].default
@@ -48,12 +49,14 @@ class _Message:
     gateway: int
     inserts: bytes | None
     load: bytes | None
+    rates: bytes | None = None
 
 
 class _Writer:
     """One gateway's writer loop (`SharedRouting._write_loop`) as a state machine."""
 
-    __slots__ = ("due", "last_load", "next_load", "queue", "sleep_end")
+    __slots__ = ("due", "last_load", "last_rates", "next_load", "queue", "rates_at",
+                 "sleep_end")
 
     def __init__(self, start: float) -> None:
         self.queue: list[tuple[str, list[int], float]] = []
@@ -61,17 +64,20 @@ class _Writer:
         self.next_load = start  # when it next looks at its load
         self.due = start  # when it next runs one iteration (looks, and writes if it must)
         self.last_load: bytes | None = None
+        self.last_rates: bytes | None = None
+        self.rates_at = -math.inf  # when it last looked at its learned rates
 
 
 class _Reader:
     """One gateway's reader loop (`SharedRouting._read_loop`): where it is in the messages."""
 
-    __slots__ = ("cursor", "loads", "ready_at")
+    __slots__ = ("cursor", "loads", "rates", "ready_at")
 
     def __init__(self, start: float) -> None:
         self.cursor = 0  # messages before it are applied (or its own)
         self.ready_at = start  # when its next blocking read begins
         self.loads: dict[int, dict[str, list[float]]] = {}
+        self.rates: dict[int, dict[str, list[float]]] = {}
 
 
 class Gateways:
@@ -144,15 +150,20 @@ class Gateways:
         if load_due:
             w.next_load = t + s.load_interval_s if s.load_interval_s > 0.0 else math.inf
         batch, w.queue = w.queue, []
-        load = None
+        load = rates = None
         if load_due or batch or s.load_interval_s <= 0.0:
             own = encode_load(self.routers[g])
             if own != w.last_load:
                 load = w.last_load = own
-        if batch or load is not None:
+            if t - w.rates_at >= RATES_INTERVAL_S:
+                w.rates_at = t
+                learned = encode_rates(self.routers[g])
+                if learned != w.last_rates:
+                    rates = w.last_rates = learned
+        if batch or load is not None or rates is not None:
             # As SharedRouting._by_pool writes them: [replica, decided at, hashes, uncached].
             inserts = orjson.dumps([(rep, t, h, u) for rep, h, u in batch]) if batch else None
-            self._messages.append(_Message(t + s.delay_s, g, inserts, load))
+            self._messages.append(_Message(t + s.delay_s, g, inserts, load, rates))
         w.sleep_end = t + s.flush_interval_s
         timer = max(w.sleep_end, w.next_load) if s.load_interval_s > 0.0 else math.inf
         w.due = timer if not w.queue else w.sleep_end
@@ -187,7 +198,7 @@ class Gateways:
         """Gateway h reads every entry readable at t and applies it (`SharedRouting._apply`)."""
         r, router = self._readers[h], self.routers[h]
         msgs = self._messages
-        load_changed = False
+        load_changed = rates_changed = False
         i = r.cursor
         while i < len(msgs) and msgs[i].at <= t:
             m = msgs[i]
@@ -197,11 +208,16 @@ class Gateways:
             if m.load is not None:
                 r.loads[m.gateway] = orjson.loads(m.load)
                 load_changed = True
+            if m.rates is not None:
+                r.rates[m.gateway] = orjson.loads(m.rates)
+                rates_changed = True
             if m.inserts is not None:
                 router.apply_remote_inserts(
                     (item[0], item[2], item[3]) for item in orjson.loads(m.inserts))
         r.cursor = i
         if load_changed:
             router.apply_remote_load(sum_loads(r.loads.values()))
+        if rates_changed:
+            router.apply_remote_rates(sum_rates(r.rates.values()))
         r.ready_at = t + self.sharing.read_pause_s
 

@@ -97,17 +97,20 @@ class LoadTracker:
                 with suppress(ValueError):  # not sent through dispatched(): nothing to drop
                     order.remove(uncached_tokens)
         if now is not None and dispatched_at is not None:
-            # Another gateway with requests there may have had first tokens in the same step,
-            # which this one cannot see (nor those it sent in the last few milliseconds, which
-            # its shared load does not show yet): the step's length is not this request's
-            # prefill alone. Learned from, such steps skewed three gateways' rates (tenants
-            # near saturation: 11,451 tokens/s against one gateway's 6,651, and 20x its mean
-            # TTFT); none learned is far better (step waits not priced, pending prefill
-            # counted whole).
+            # Another gateway with prefill pending there may have had first tokens in the
+            # same step, which this one cannot see (nor those it sent in the last few
+            # milliseconds, which its shared load does not show yet): the step's length is
+            # not this request's prefill alone. Learned from, such steps skewed three
+            # gateways' rates (tenants near saturation: 11,451 tokens/s against one gateway's
+            # 6,651, and 20x its mean TTFT); none learned is far better (step waits not
+            # priced, pending prefill counted whole). With their requests only decoding
+            # there, the replica's own rate still learns (`StepTimer.prefill_done`): without
+            # it, gateways sharing a fleet of mixed speeds learned almost no speeds.
             others = self.remote.get(replica)
             self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
                                     shared=others is not None and (others[0] > 0
                                                                    or others[1] > 0.0),
+                                    others_prefilling=others is not None and others[1] > 0.0,
                                     alone=self.pending_prefill.get(replica, 0.0) <= 0.0)
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
@@ -145,8 +148,17 @@ class LoadTracker:
     def _credit(self, replica: str, now: float, pending: float) -> None:
         """A step of `replica` ended at `now` with prefill pending: credit what it computed."""
         steps = self.steps
-        # The replica's own learned rate when it has one (replicas may differ in speed).
-        last, rate = steps.last_end(replica), steps.replica_rate(replica) or steps.rate
+        last = steps.last_end(replica)
+        if self.remote:
+            # Other gateways' sequences lengthened the steps the replica's own rate learned
+            # from: it is right relative to the other replicas', low in tokens. Drained at it,
+            # three gateways came 2% further from one gateway's mean TTFT on Mooncake at 32
+            # replicas; the pool's rate at the replica's speed does not.
+            rate = steps.rate
+            if rate > 0.0:
+                rate *= steps.speed(replica)
+        else:  # its own rate when it has one (replicas may differ in speed)
+            rate = steps.replica_rate(replica) or steps.rate
         if last is None or rate <= 0.0:
             return
         decode = steps.decode_s(self.inflight.get(replica, 0)) or 0.0

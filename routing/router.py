@@ -9,7 +9,7 @@ from routing.load import NO_LOAD, LoadTracker, RemoteLoad
 from routing.policies import Policy
 from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
-from routing.steps import DECODE_AGREES
+from routing.steps import DECODE_AGREES, RateSums
 from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
 
 
@@ -175,6 +175,17 @@ class Router:
             for replica in set(before) | set(self.load.remote):
                 if replica in self.indexes:
                     self._load_update(replica)
+
+    def apply_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
+        """What other gateways learned of each replica's own prefill rate (their
+        `own_rates`, summed: `routing.steps.sum_rates`), replacing what they shared before;
+        replicas this router does not have are left out."""
+        self.load.steps.set_remote_rates(
+            {name: sums for name, sums in rates.items() if name in self.indexes})
+
+    def own_rates(self) -> dict[str, list[float]]:
+        """What this router learned of each replica's own prefill rate, to share."""
+        return self.load.steps.own_rates()
 
     # A request's life after the decision ---------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 
 SAME_STEP_S = 0.002
 """Chunks from one replica closer than this (or than SAME_STEP_FRACTION of a typical step,
@@ -51,6 +52,23 @@ prefill rates stray past SPEED_TOLERANCE at times (long prompts prefilled in chu
 their decode steps do not."""
 
 
+RateSums = tuple[float, float, int, int]
+"""What is known of a replica's own prefill rate: (uncached tokens, seconds, samples, of which
+from steps that left nothing queued), decayed sums."""
+
+NO_RATE: RateSums = (0.0, 0.0, 0, 0)
+
+
+def sum_rates(rates: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RateSums]:
+    """Several gateways' `own_rates` summed per replica, for `set_remote_rates`."""
+    total: dict[str, RateSums] = {}
+    for replicas in rates:
+        for name, (t, s, n, a) in replicas.items():
+            t0, s0, n0, a0 = total.get(name, NO_RATE)
+            total[name] = (t0 + t, s0 + s, n0 + int(n), a0 + int(a))
+    return total
+
+
 class StepTimer:
     """Per replica, when its engine steps end and how long they last; per pool, the prefill rate.
 
@@ -73,13 +91,14 @@ class StepTimer:
 
     __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
-                 "_replicas", "_unknown_speed")
+                 "_remote_rates", "_replicas", "_unknown_speed")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  decode_agrees: float = DECODE_AGREES) -> None:
         self._fixed_rate = prefill_tokens_per_s
         self._agree_factor = decode_agrees
         self._replicas: dict[str, _Steps] = {}
+        self._remote_rates: dict[str, RateSums] = {}
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
         self._rate_samples = 0
@@ -101,18 +120,45 @@ class StepTimer:
         return self._rate_tokens / self._rate_seconds
 
     def replica_rate(self, replica: str) -> float | None:
-        """The replica's own learned prefill rate (None until it has SPEED_MIN_SAMPLES, or
-        SPEED_ALONE_SAMPLES from steps that left it nothing queued)."""
+        """The replica's own learned prefill rate, from this gateway's samples and those other
+        gateways shared (`set_remote_rates`): None until they are SPEED_MIN_SAMPLES, or
+        SPEED_ALONE_SAMPLES from steps that left it nothing queued."""
         r = self._replicas.get(replica)
-        if r is None or r.rate_seconds <= 0.0 or (r.rate_samples < SPEED_MIN_SAMPLES
-                                                  and r.alone_samples < SPEED_ALONE_SAMPLES):
+        tokens, seconds, samples, alone = (
+            (r.rate_tokens, r.rate_seconds, r.rate_samples, r.alone_samples) if r is not None
+            else NO_RATE)
+        remote = self._remote_rates.get(replica)
+        if remote is not None:
+            tokens += remote[0]
+            seconds += remote[1]
+            samples += remote[2]
+            alone += remote[3]
+        if seconds <= 0.0 or (samples < SPEED_MIN_SAMPLES and alone < SPEED_ALONE_SAMPLES):
             return None
-        return r.rate_tokens / r.rate_seconds
+        return tokens / seconds
 
     def replica_rates(self) -> dict[str, float]:
         """Every replica's own learned prefill rate, where known."""
-        return {name: rate for name in self._replicas
-                if (rate := self.replica_rate(name)) is not None}
+        names = self._replicas.keys() | self._remote_rates.keys() if self._remote_rates else (
+            self._replicas)
+        return {name: rate for name in names if (rate := self.replica_rate(name)) is not None}
+
+    def own_rates(self) -> dict[str, list[float]]:
+        """What this gateway learned of each replica's own rate, as it shares it: {replica:
+        [uncached tokens, seconds, samples, of which from steps that left nothing queued]},
+        its decayed sums, for the replicas with samples."""
+        return {name: [round(r.rate_tokens, 1), round(r.rate_seconds, 6), r.rate_samples,
+                       r.alone_samples]
+                for name, r in self._replicas.items() if r.rate_samples > 0}
+
+    def set_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
+        """Replace what other gateways learned of each replica's own rate (their `own_rates`,
+        summed): it counts with this gateway's samples. Gateways sharing a fleet each see a
+        share of its steps, and each alone would take that much longer to tell a slow
+        replica from a fast one."""
+        self._remote_rates = {name: (float(t), float(s), int(n), int(a))
+                              for name, (t, s, n, a) in rates.items() if s > 0.0}
+        self._reference = self._unknown_speed = None
 
     def speed(self, replica: str) -> float:
         """The replica's own learned prefill rate over the median replica's, or 1.0: within
@@ -238,6 +284,7 @@ class StepTimer:
         r.prev_end = last
         r.last_end = now
         r.prefill = 0.0
+        r.shared = False
         r.firsts = 0
         r.batch = inflight
         r.awaiting = awaiting_prefill
@@ -283,7 +330,7 @@ class StepTimer:
             return
         if r.prefill is None:
             return
-        if decode is not None and length > decode:
+        if decode is not None and length > decode and not r.shared:
             keep = 1.0 - 1.0 / DECAY_SAMPLES
             self._rate_tokens = self._rate_tokens * keep + r.prefill
             self._rate_seconds = self._rate_seconds * keep + (length - decode)
@@ -299,11 +346,17 @@ class StepTimer:
             self._reference = self._unknown_speed = None
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
-                     dispatched_at: float, shared: bool = False, alone: bool = False) -> None:
+                     dispatched_at: float, shared: bool = False, alone: bool = False,
+                     others_prefilling: bool = False) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
-        `shared`: other gateways had requests on the replica, so the step may have carried
-        prefills this gateway does not know of; it teaches no rate. `alone`: after it,
-        nothing this gateway sent there awaits its first token."""
+        `alone`: after it, nothing this gateway sent there awaits its first token.
+
+        `shared`: other gateways had requests on the replica, decoding sequences this gateway
+        does not count in the step's batch; the step teaches the pool's rate nothing, since
+        that prices waits and drains in tokens. It still teaches the replica's own rate,
+        which only counts relative to the other replicas' (`speed`), all of them lengthened
+        alike. `others_prefilling`: they had prefill pending there, so the step may have
+        ended prefills this gateway does not know of; it teaches no rate at all."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
@@ -312,6 +365,8 @@ class StepTimer:
         r.firsts += 1
         r.left_alone = alone
         if shared:
+            r.shared = True
+        if others_prefilling:
             r.prefill = None
         elif r.prefill is not None and (dispatched_at >= _step_before_began(r)
                                       or r.prev_decode_only):
@@ -349,6 +404,7 @@ class StepTimer:
     def forget(self, replica: str) -> None:
         """The replica left the pool: its step timing goes."""
         self._replicas.pop(replica, None)
+        self._remote_rates.pop(replica, None)
         self._busy.pop(replica, None)
         self._reference = self._busy_reference = self._decode_reference = None
         self._unknown_speed = None
@@ -384,7 +440,7 @@ class _Steps:
 
     __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "last_end",
                  "left_alone", "prefill", "prev_decode_only", "prev_end", "prev_start",
-                 "rate_samples", "rate_seconds", "rate_tokens", "step_s")
+                 "rate_samples", "rate_seconds", "rate_tokens", "shared", "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
@@ -395,6 +451,7 @@ class _Steps:
         self.awaiting = False  # a prefill was waiting when the step in flight began
         self.firsts = 0  # first tokens at the end of the last step
         self.left_alone = False  # the last of them left nothing of this gateway's queued
+        self.shared = False  # other gateways had requests there when one of them came
         # Uncached tokens whose prefill ended in the last step; None when the step also
         # finished a prefill that cannot be attributed to it alone.
         self.prefill: float | None = 0.0

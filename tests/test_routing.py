@@ -537,18 +537,31 @@ def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> N
     assert load.view("r3").speed < 0.5
 
 
-def test_a_step_another_gateway_had_requests_in_teaches_no_rate() -> None:
-    # Another gateway (or worker) has requests on r1 (queued for prefill, or only decoding):
-    # a step there may end prefills of theirs, which this gateway does not see, so the
-    # step's length says nothing of this gateway's tokens. r0, where no other gateway has
-    # anything, learns as before.
-    for remote in ((2, 3000.0, 3000.0), (2, 0.0, 0.0)):
-        load = LoadTracker()
-        load.set_remote({"r1": remote})
-        feed_replica(load, "r0", 40, 0.05, 0.05)
-        feed_replica(load, "r1", 40, 0.05, 0.05)
-        assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
-        assert load.steps.replica_rate("r1") is None
+def test_a_step_another_gateway_had_prefill_pending_in_teaches_no_rate() -> None:
+    # Another gateway (or worker) has prefill queued on r1: a step there may end prefills of
+    # theirs, which this gateway does not see, so the step's length says nothing of this
+    # gateway's tokens. r0, where no other gateway has anything, learns as before.
+    load = LoadTracker()
+    load.set_remote({"r1": (2, 3000.0, 3000.0)})
+    feed_replica(load, "r0", 40, 0.05, 0.05)
+    feed_replica(load, "r1", 40, 0.05, 0.05)
+    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
+    assert load.steps.replica_rate("r1") is None
+
+
+def test_with_other_gateways_only_decoding_a_replica_still_learns_its_speed() -> None:
+    # Other gateways' requests on every replica are only decoding: their sequences lengthen
+    # the steps alike, so the pool's rate (which prices waits in tokens) learns nothing, but
+    # each replica's own rate does, and with it the speed that tells the slow replica r2.
+    load = LoadTracker()
+    load.set_remote({name: (2, 0.0, 0.0) for name in ("r0", "r1", "r2")})
+    feed_replica(load, "r0", 40, 0.05, 0.05)
+    feed_replica(load, "r1", 40, 0.05, 0.05)
+    feed_replica(load, "r2", 40, 0.15, 0.15)
+    assert load.steps.rate == 0.0
+    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
+    assert load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
+    assert load.view("r0").speed == 1.0
 
 
 def test_speed_is_one_until_learned_or_with_a_configured_rate() -> None:

@@ -412,6 +412,39 @@ async def test_a_gateway_never_reads_its_own_entries_back(redis_server: RedisSer
         assert router_b.matched_blocks("rt-1", request.hashes) == len(request.hashes)
 
 
+async def test_what_one_gateway_learned_of_a_replicas_speed_the_other_prices_it_by(
+        redis_server: RedisServer) -> None:
+    """Gateways sharing a fleet each see a share of its steps: each alone would take that
+    much longer to tell a slow replica from the others (through three gateways on a fleet
+    of two speeds, almost never)."""
+    from gateway.shared_routing import RATES_INTERVAL_S
+    from tests.test_routing import feed_replica
+
+    async with two_states(redis_server) as (a, b):
+        sa, sb = a.shared, b.shared
+        stream = sa.streams["realtime"]
+        load_a = a.pool_by_name["realtime"].router.load
+        router_b = b.pool_by_name["realtime"].router
+        for name in ("rt-0", "rt-1", "rt-2"):
+            feed_replica(load_a, name, 20, 0.05, 0.05)
+        feed_replica(load_a, "rt-3", 20, 0.15, 0.15)  # three times slower
+        assert load_a.view("rt-3").speed == pytest.approx(1 / 3, rel=0.02)
+        assert router_b.load.view("rt-3").speed == 1.0
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.load.view("rt-3").speed == pytest.approx(1 / 3, rel=0.02)
+        assert router_b.load.view("rt-0").speed == 1.0
+        # Unchanged, what it learned is not written again, however often the writer looks.
+        written = await a.redis.xlen(stream)
+        sa._rates_at -= RATES_INTERVAL_S
+        await sa.write(True)
+        assert await a.redis.xlen(stream) == written
+        # A gateway that leaves the registry takes what it learned with it.
+        sb._set_peers(frozenset())
+        assert router_b.load.steps.replica_rate("rt-3") is None
+        assert router_b.load.view("rt-3").speed == 1.0
+
+
 def _fields(raw: Any) -> list[tuple[bytes, Any]]:
     if isinstance(raw, dict):
         return list(raw.items())

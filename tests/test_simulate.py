@@ -536,3 +536,50 @@ def test_three_gateways_near_saturation_route_about_as_well_as_one() -> None:
     assert one["ttft_mean_s"] > 1.0  # near saturation: queues matter
     assert three["ttft_mean_s"] < 1.25 * one["ttft_mean_s"]
     assert three["shadow_agreement"] > 0.9
+
+
+def test_gateways_share_what_they_learned_of_each_replicas_rate() -> None:
+    from loadtests.sim_sharing import Gateways, Sharing
+    from routing import build_policy
+    from tests.test_routing import feed_replica
+
+    # Gateway a has timed r2's steps three times as long as r0's and r1's; b has seen none
+    # of them. Once a's writer looks at what it learned, b prices r2 as a does.
+    names = ["r0", "r1", "r2"]
+    routers = [Router(names, build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    gws = Gateways(routers, Sharing(True, 0.01, 0.05, 0.0))
+    a, b = routers
+    feed_replica(a.load, "r0", 20, 0.05, 0.05)
+    feed_replica(a.load, "r1", 20, 0.05, 0.05)
+    feed_replica(a.load, "r2", 20, 0.15, 0.15)
+    assert a.load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
+    assert b.load.view("r2").speed == 1.0
+    gws.now = 0.0
+    gws.run_until(0.06)
+    assert b.load.steps.replica_rate("r2") == pytest.approx(a.load.steps.replica_rate("r2"),
+                                                            rel=1e-4)
+    assert b.load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
+    assert b.load.view("r0").speed == 1.0
+    # What b learns itself counts with a's: equal samples of a rate twice as high, and b's
+    # figure is the mean of the two.
+    feed_replica(b.load, "r2", 20, 0.15, 0.075)
+    assert b.load.steps.replica_rate("r2") == pytest.approx(
+        2 * 20 * 1000 / (20 * 0.15 + 20 * 0.075), rel=0.02)
+
+
+def test_three_gateways_on_a_mixed_fleet_each_learn_the_slow_replicas() -> None:
+    # Half the replicas at the 32B model's speed: three gateways each see a third of the
+    # steps, and every step there holds the others' decoding requests. Learning nothing from
+    # those steps, or alone, they learned almost no speeds, and their mean TTFT was 1.55x one
+    # gateway's on multi-turn sessions at light load.
+    from backends.sim.fleet_spec import parse_fleet
+    from loadtests.simulate import run_pool
+
+    workload = load_workload(workload="multi_turn", params={"n_sessions": 60,
+                                                            "rate_per_s": 8})
+    profiles = [p.build() for p in parse_fleet("llama-8b-h200:2,qwen-32b-h200:2")]
+    run = run_pool(workload, "prefix_affinity", profiles=profiles, gateways=3)
+    for router in run.routers:
+        speeds = [router.load.view(name).speed for name in run.names]
+        assert min(speeds[:2]) > 3 * max(speeds[2:]), speeds
