@@ -80,8 +80,15 @@ class LoadTracker:
         pending = self.pending_prefill.get(replica, 0.0)
         if pending > 0.0:
             self._credit(replica, now, pending)
-        self.steps.chunk(replica, now, self.inflight.get(replica, 0),
+        self.steps.chunk(replica, now, self.batch(replica),
                          self.pending_prefill.get(replica, 0.0) > 0.0)
+
+    def batch(self, replica: str) -> int:
+        """Requests in flight on the replica, this gateway's and the others' (as they last
+        said): the engine's batch, which sets how long its decode steps take."""
+        own = self.inflight.get(replica, 0)
+        others = self.remote.get(replica) if self.remote else None
+        return own + others[0] if others is not None else own
 
     def first_token(self, replica: str, uncached_tokens: float, now: float | None = None,
                     dispatched_at: float | None = None) -> None:
@@ -161,7 +168,7 @@ class LoadTracker:
             rate = steps.replica_rate(replica) or steps.rate
         if last is None or rate <= 0.0:
             return
-        decode = steps.decode_s(self.inflight.get(replica, 0)) or 0.0
+        decode = steps.decode_s(self.batch(replica)) or 0.0
         extra = now - last - decode
         order = self._order.get(replica)
         if extra > 0.0 and order:

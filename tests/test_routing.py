@@ -834,3 +834,22 @@ def test_a_fast_replica_out_of_kv_is_not_priced_as_draining_fast(cap: bool) -> N
 
     assert (spread(0.98)["r0"] == 0) == cap
     assert spread(0.5)["r0"] == 60  # KV to spare: its queue drains at its own speed
+
+
+def test_decode_steps_are_timed_at_the_engines_batch_with_other_gateways_requests() -> None:
+    # One request of this gateway's decodes on r0 beside 1 to 7 of other gateways': the
+    # engine's batch, which sets the step's length (10 ms a sequence here), is the sum.
+    # Timed at this gateway's own batch (always 1), the steps looked like noise around one
+    # length, and a gateway that sent a replica few requests misjudged its decode speed.
+    load = LoadTracker()
+    load.dispatched("r0", 0.0)
+    load.first_token("r0", 0.0)
+    t = 0.0
+    for i in range(60):
+        others = 1 + abs(6 - i % 12)  # 7, 6, ... 1, 2, ... 7: the batch moves a step at a time
+        load.set_remote({"r0": (others, 0.0, 0.0)})
+        t += 0.01 * (1 + others)
+        load.chunk("r0", t)  # a step of 1 + others sequences ends
+    assert load.batch("r0") == 1 + 1 + abs(6 - 59 % 12)
+    assert load.steps.decode_s(8) == pytest.approx(0.08, rel=0.05)
+    assert load.steps.decode_s(2) == pytest.approx(0.02, rel=0.05)
