@@ -113,15 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = load_requests(args.trace, args.workload, args.limit, args.speedup,
                                 dict(args.workload_param), from_zero=True)
     source = args.workload or Path(str(args.trace).rstrip("/")).name
-    sims = rp.sim_fleet(args)
-    args.replicas = len(sims)
-    rates = [r.build().prefill_tokens_per_s for r in sims]
     fleet = Fleet()
     results: list[dict[str, Any]] = []
     try:
         with sigterm_as_interrupt():
-            urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
-                                    args.time_scale, fleet=args.fleet, slow=args.slow)
+            urls, sims = rp.start_sim_fleet(fleet, args)
+            rates = [r.build().prefill_tokens_per_s for r in sims]
             rp.log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")

@@ -141,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gateways: no requests to send")
     source = args.workload or Path(str(args.trace).rstrip("/")).name
     policy = args.policy or rp.default_policy()
-    sims = rp.sim_fleet(args)
-    args.replicas = len(sims)
     fleet = Fleet()
     results: list[dict[str, Any]] = []
     try:
@@ -150,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_url = None
             if True in modes:
                 redis_url = args.redis_url or fleet.start_redis()
-            urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
-                                    args.time_scale, fleet=args.fleet, slow=args.slow)
+            urls, sims = rp.start_sim_fleet(fleet, args)
             rp.log(f"{args.replicas} simulated replicas ({describe(sims)}, time scale "
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")

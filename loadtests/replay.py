@@ -436,6 +436,17 @@ def sim_conditions(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def start_sim_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[str], list[Any]]:
+    """Start on `fleet` the simulated replicas that --replicas, --profile, --fleet and --slow
+    describe (`args.replicas` set to their count): their base URLs and ReplicaProfiles."""
+    sims = sim_fleet(args)
+    args.replicas = len(sims)
+    urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
+                            args.time_scale, fleet=getattr(args, "fleet", None),
+                            slow=getattr(args, "slow", None))
+    return urls, sims
+
+
 def sim_fleet(args: argparse.Namespace) -> list[Any]:
     """Each simulated replica's ReplicaProfile from --replicas, --profile, --fleet, --slow
     (argparse errors are raised as SystemExit)."""
@@ -552,11 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("replay: --redis-set needs --redis or --redis-url")
                 redis_url = fleet.start_redis() if args.redis else args.redis_url
                 redis = redis_section(redis_url, dict(args.redis_set)) if redis_url else None
-                sims = sim_fleet(args)
-                args.replicas = len(sims)
-                replica_urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens,
-                                                args.profile, args.time_scale,
-                                                fleet=args.fleet, slow=args.slow)
+                replica_urls, sims = start_sim_fleet(fleet, args)
                 rates = [r.build().prefill_tokens_per_s for r in sims]
                 cfg = gateway_config(replica_urls, args.policy, dict(args.settings), redis,
                                      args.gateway_workers)
