@@ -77,11 +77,10 @@ class LoadTracker:
 
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
-        pending = self.pending_prefill.get(replica, 0.0)
-        if pending > 0.0:
-            self._credit(replica, now, pending)
-        self.steps.chunk(replica, now, self.batch(replica),
-                         self.pending_prefill.get(replica, 0.0) > 0.0)
+        batch = self.batch(replica)
+        if self.pending_prefill.get(replica, 0.0) > 0.0:
+            self._credit(replica, now, batch)
+        self.steps.chunk(replica, now, batch, self.pending_prefill.get(replica, 0.0) > 0.0)
 
     def batch(self, replica: str) -> int:
         """Requests in flight on the replica, this gateway's and the others' (as they last
@@ -152,8 +151,9 @@ class LoadTracker:
         done = self._drain.get(replica, 0.0)
         return pending - done if done < pending else 0.0
 
-    def _credit(self, replica: str, now: float, pending: float) -> None:
-        """A step of `replica` ended at `now` with prefill pending: credit what it computed."""
+    def _credit(self, replica: str, now: float, batch: int) -> None:
+        """A step of `replica` (running `batch` sequences) ended at `now` with prefill
+        pending: credit what it computed."""
         steps = self.steps
         last = steps.last_end(replica)
         if self.remote:
@@ -168,7 +168,7 @@ class LoadTracker:
             rate = steps.replica_rate(replica) or steps.rate
         if last is None or rate <= 0.0:
             return
-        decode = steps.decode_s(self.batch(replica)) or 0.0
+        decode = steps.decode_s(batch) or 0.0
         extra = now - last - decode
         order = self._order.get(replica)
         if extra > 0.0 and order:
