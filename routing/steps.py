@@ -52,20 +52,24 @@ prefill rates stray past SPEED_TOLERANCE at times (long prompts prefilled in chu
 their decode steps do not."""
 
 
-RateSums = tuple[float, float, int, int]
-"""What is known of a replica's own prefill rate: (uncached tokens, seconds, samples, of which
-from steps that left nothing queued), decayed sums."""
+RateSums = tuple[float, float, int, int, float, float, int]
+"""What is known of a replica's speed, as decayed sums: of its own prefill rate (uncached
+tokens, seconds, samples, of which from steps that left nothing queued), then of its
+throughput while busy (`busy_speed`: uncached tokens, seconds, first tokens)."""
 
-NO_RATE: RateSums = (0.0, 0.0, 0, 0)
+NO_RATE: RateSums = (0.0, 0.0, 0, 0, 0.0, 0.0, 0)
 
 
 def sum_rates(rates: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RateSums]:
-    """Several gateways' `own_rates` summed per replica, for `set_remote_rates`."""
+    """Several gateways' `own_rates` summed per replica, for `set_remote_rates` (an entry of
+    four, an older gateway's, has no throughput while busy)."""
     total: dict[str, RateSums] = {}
     for replicas in rates:
-        for name, (t, s, n, a) in replicas.items():
-            t0, s0, n0, a0 = total.get(name, NO_RATE)
-            total[name] = (t0 + t, s0 + s, n0 + int(n), a0 + int(a))
+        for name, entry in replicas.items():
+            t, s, n, a, bt, bs, bn = (*entry, 0.0, 0.0, 0)[:7] if len(entry) < 7 else entry
+            t0, s0, n0, a0, bt0, bs0, bn0 = total.get(name, NO_RATE)
+            total[name] = (t0 + t, s0 + s, n0 + int(n), a0 + int(a), bt0 + bt, bs0 + bs,
+                           bn0 + int(bn))
     return total
 
 
@@ -126,7 +130,7 @@ class StepTimer:
         r = self._replicas.get(replica)
         tokens, seconds, samples, alone = (
             (r.rate_tokens, r.rate_seconds, r.rate_samples, r.alone_samples) if r is not None
-            else NO_RATE)
+            else NO_RATE[:4])
         remote = self._remote_rates.get(replica)
         if remote is not None:
             tokens += remote[0]
@@ -144,21 +148,28 @@ class StepTimer:
         return {name: rate for name in names if (rate := self.replica_rate(name)) is not None}
 
     def own_rates(self) -> dict[str, list[float]]:
-        """What this gateway learned of each replica's own rate, as it shares it: {replica:
-        [uncached tokens, seconds, samples, of which from steps that left nothing queued]},
-        its decayed sums, for the replicas with samples."""
-        return {name: [round(r.rate_tokens, 1), round(r.rate_seconds, 6), r.rate_samples,
-                       r.alone_samples]
-                for name, r in self._replicas.items() if r.rate_samples > 0}
+        """What this gateway learned of each replica's speed, as it shares it: {replica: its
+        decayed sums (`RateSums`)}, for the replicas with samples of either kind."""
+        out: dict[str, list[float]] = {}
+        for name in self._replicas.keys() | self._busy.keys():
+            r, b = self._replicas.get(name), self._busy.get(name)
+            if (r is None or not r.rate_samples) and (b is None or not b.samples):
+                continue
+            rate = ([round(r.rate_tokens, 1), round(r.rate_seconds, 6), r.rate_samples,
+                     r.alone_samples] if r is not None else [0.0, 0.0, 0, 0])
+            busy = ([round(b.tokens, 1), round(b.seconds, 6), b.samples] if b is not None
+                    else [0.0, 0.0, 0])
+            out[name] = rate + busy
+        return out
 
     def set_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
         """Replace what other gateways learned of each replica's own rate (their `own_rates`,
         summed): it counts with this gateway's samples. Gateways sharing a fleet each see a
         share of its steps, and each alone would take that much longer to tell a slow
         replica from a fast one."""
-        self._remote_rates = {name: (float(t), float(s), int(n), int(a))
-                              for name, (t, s, n, a) in rates.items() if s > 0.0}
-        self._reference = self._unknown_speed = None
+        self._remote_rates = {name: sums for name, sums in rates.items()
+                              if sums[1] > 0.0 or sums[5] > 0.0}
+        self._reference = self._unknown_speed = self._busy_reference = None
 
     def speed(self, replica: str) -> float:
         """The replica's own learned prefill rate over the median replica's, or 1.0: within
@@ -224,19 +235,37 @@ class StepTimer:
             return 1.0
         if self.replica_rate(replica) is not None:
             return None
-        own = self._busy.get(replica)
-        if own is None or own.samples < BUSY_MIN_SAMPLES or own.seconds <= 0.0:
+        own = self._busy_rate(replica)
+        if own is None:
             return None
         reference = self._busy_reference
         if reference is None:
+            names = (self._busy.keys() | self._remote_rates.keys() if self._remote_rates
+                     else self._busy.keys())
             reference = self._busy_reference = statistics.median(
-                b.tokens / b.seconds for b in self._busy.values()
-                if b.samples >= BUSY_MIN_SAMPLES and b.seconds > 0.0)
-        speed = own.tokens / own.seconds / reference
+                rate for name in names if (rate := self._busy_rate(name)) is not None)
+        speed = own / reference
         if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
                 replica, speed):
             return 1.0
         return speed
+
+    def _busy_rate(self, replica: str) -> float | None:
+        """The replica's throughput while busy, from this gateway's first tokens and the
+        other gateways' (None under BUSY_MIN_SAMPLES). Each gateway times its own first
+        tokens, from the one before it there: the others' prefills in between understate
+        every replica's throughput alike, by about the number of gateways."""
+        b = self._busy.get(replica)
+        tokens, seconds, samples = (b.tokens, b.seconds, b.samples) if b is not None else (
+            0.0, 0.0, 0)
+        remote = self._remote_rates.get(replica)
+        if remote is not None:
+            tokens += remote[4]
+            seconds += remote[5]
+            samples += remote[6]
+        if samples < BUSY_MIN_SAMPLES or seconds <= 0.0:
+            return None
+        return tokens / seconds
 
     @property
     def learning(self) -> bool:

@@ -10,7 +10,7 @@ from routing import LoadTracker, PrefixIndex, Router, build_policy, char_block_h
 from routing.load import sum_loads
 from routing.policies import load_bound
 from routing.prompt import render_chat
-from routing.steps import SPEED_TOLERANCE, StepTimer
+from routing.steps import SPEED_TOLERANCE, StepTimer, sum_rates
 from routing.types import (
     REASON_AFFINITY,
     REASON_COLD,
@@ -853,3 +853,25 @@ def test_decode_steps_are_timed_at_the_engines_batch_with_other_gateways_request
     assert load.batch("r0") == 1 + 1 + abs(6 - 59 % 12)
     assert load.steps.decode_s(8) == pytest.approx(0.08, rel=0.05)
     assert load.steps.decode_s(2) == pytest.approx(0.02, rel=0.05)
+
+
+def test_a_replicas_throughput_while_busy_counts_what_other_gateways_timed() -> None:
+    # Under a standing queue no step teaches a replica's own rate; its throughput while busy
+    # does (`busy_speed`), from first tokens. Each of two gateways saw 6 of r3's, and of each
+    # other replica's: fewer than either needs alone, enough together.
+    def first_tokens(steps: StepTimer, name: str, seconds_each: float) -> None:
+        for i in range(6):
+            steps.prefill_done(name, 1000.0, (i + 1) * seconds_each,
+                               dispatched_at=i * seconds_each)
+
+    a, b = StepTimer(), StepTimer()
+    for steps in (a, b):
+        for name in ("r0", "r1", "r2"):
+            first_tokens(steps, name, 0.1)
+        first_tokens(steps, "r3", 0.4)  # four times slower
+    assert a.busy_speed("r3") is None
+    a.set_remote_rates(sum_rates([b.own_rates()]))
+    assert a.busy_speed("r3") == pytest.approx(0.25, rel=0.02)
+    assert a.busy_speed("r0") == 1.0
+    # An older gateway shares its rates alone: no throughput comes with them.
+    assert sum_rates([{"r0": [1000.0, 0.1, 1, 0]}])["r0"] == (1000.0, 0.1, 1, 0, 0.0, 0.0, 0)
