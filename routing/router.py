@@ -177,14 +177,15 @@ class Router:
                     self._load_update(replica)
 
     def apply_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
-        """What other gateways learned of each replica's own prefill rate (their
-        `own_rates`, summed: `routing.steps.sum_rates`), replacing what they shared before;
-        replicas this router does not have are left out."""
+        """What other gateways learned of each replica's speed, its own prefill rate and its
+        throughput while busy (their `own_rates`, summed: `routing.steps.sum_rates`),
+        replacing what they shared before; replicas this router does not have are left
+        out."""
         self.load.steps.set_remote_rates(
             {name: sums for name, sums in rates.items() if name in self.indexes})
 
     def own_rates(self) -> dict[str, list[float]]:
-        """What this router learned of each replica's own prefill rate, to share."""
+        """What this router learned of each replica's speed, to share (`RateSums`)."""
         return self.load.steps.own_rates()
 
     # A request's life after the decision ---------------------------------------------------

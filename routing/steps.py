@@ -163,7 +163,7 @@ class StepTimer:
         return out
 
     def set_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
-        """Replace what other gateways learned of each replica's own rate (their `own_rates`,
+        """Replace what other gateways learned of each replica's speed (their `own_rates`,
         summed): it counts with this gateway's samples. Gateways sharing a fleet each see a
         share of its steps, and each alone would take that much longer to tell a slow
         replica from a fast one."""
