@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from backends.sim.fleet_spec import describe
 from loadtests import replay as rp
 from loadtests.caches import reset_prefix_caches
@@ -49,6 +51,7 @@ def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceReque
         data = run_async(rp.replay([u for u, _ in started], replica_urls, requests, opts,
                                    shade))
         cpu1 = rp.cpu_seconds(procs)
+        speeds = [learned_speeds(url) for url, _ in started]
     finally:
         for proc in procs:
             fleet.stop_process(proc)
@@ -58,7 +61,19 @@ def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceReque
         res["redis_key_prefix"] = redis["key_prefix"]
     if cpu0 is not None and cpu1 is not None:
         res["gateway_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(requests)
+    res["speeds_by_gateway"] = speeds
     return res
+
+
+def learned_speeds(gateway_url: str) -> dict[str, float] | None:
+    """Each replica's speed as the gateway prices it at the end of a run, from its
+    /admin/stats (None if it does not answer): how far the gateways agree on a mixed
+    fleet's speeds."""
+    try:
+        stats = httpx.get(f"{gateway_url}/admin/stats", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {r["name"]: r["speed"] for p in stats["pools"] for r in p["replicas"]}
 
 
 def _f(v: float | None, digits: int = 3) -> str:

@@ -202,6 +202,10 @@ def test_gateways_table_runs_each_count_on_emptied_replicas(capsys, tmp_path: Pa
     assert all(r["errors"] == 0 and r["requests"] == 9 for r in runs)
     assert runs[0]["hit_ratio"] == pytest.approx(runs[1]["hit_ratio"])
     assert runs[0]["redis_key_prefix"] != runs[1]["redis_key_prefix"]
+    # Each gateway's speeds at the end, as its /admin/stats shows them: one per gateway, one
+    # per replica (equal replicas, few requests: all at 1).
+    assert [r["speeds_by_gateway"] for r in runs] == [
+        [{"sim-0": 1.0, "sim-1": 1.0}], [{"sim-0": 1.0, "sim-1": 1.0}] * 2]
     rows = [line for line in table.splitlines() if line.startswith("| 1 ") or
             line.startswith("| 2 ")]
     assert len(rows) == 2 and all("| yes |" in row for row in rows)
