@@ -156,16 +156,8 @@ class LoadTracker:
         pending: credit what it computed."""
         steps = self.steps
         last = steps.last_end(replica)
-        if self.remote:
-            # Other gateways' sequences lengthened the steps the replica's own rate learned
-            # from: it is right relative to the other replicas', low in tokens. Drained at it,
-            # three gateways came 2% further from one gateway's mean TTFT on Mooncake at 32
-            # replicas; the pool's rate at the replica's speed does not.
-            rate = steps.rate
-            if rate > 0.0:
-                rate *= steps.speed(replica)
-        else:  # its own rate when it has one (replicas may differ in speed)
-            rate = steps.replica_rate(replica) or steps.rate
+        # The replica's own learned rate when it has one (replicas may differ in speed).
+        rate = steps.replica_rate(replica) or steps.rate
         if last is None or rate <= 0.0:
             return
         decode = steps.decode_s(batch) or 0.0
