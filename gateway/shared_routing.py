@@ -479,9 +479,10 @@ class SharedRouting:
         if peers - self.peers:
             self._own_rates = {}  # a newcomer learns what this gateway knows at its next write
         for name, theirs in self._rates.items():
-            if any(g not in peers for g in theirs):
-                for gone in [g for g in theirs if g not in peers]:
-                    del theirs[gone]
+            gone = theirs.keys() - peers
+            for gateway in gone:
+                del theirs[gateway]
+            if gone:
                 self.pools[name].router.apply_remote_rates(sum_rates(theirs.values()))
         self.peers = peers
         self._pool_of_stream = {self._stream(pool, g).encode(): pool
@@ -567,7 +568,7 @@ class SharedRouting:
         if pool_name is None or not entries:
             return None
         loads = self._loads[pool_name]
-        load_changed = False
+        load_changed = rates_changed = False
         self.last_ids[stream.decode()] = entries[-1][0].decode()
         router = self.pools[pool_name].router
         now = time.time()
@@ -579,9 +580,8 @@ class SharedRouting:
                 continue
             raw_rates = fields.get(b"s")
             if raw_rates is not None:
-                rates = self._rates[pool_name]
-                rates[fields[b"g"].decode()] = orjson.loads(raw_rates)
-                router.apply_remote_rates(sum_rates(rates.values()))
+                self._rates[pool_name][fields[b"g"].decode()] = orjson.loads(raw_rates)
+                rates_changed = True
             raw_load = fields.get(b"l")
             if raw_load is not None:
                 value = orjson.loads(raw_load)
@@ -600,6 +600,8 @@ class SharedRouting:
                 at = item[1]
                 if at >= self.started_at:  # not what was decided before this gateway began
                     observe(pool_name, max(0.0, now - at))
+        if rates_changed:
+            router.apply_remote_rates(sum_rates(self._rates[pool_name].values()))
         return pool_name if load_changed else None
 
     def _apply_loads(self, name: str) -> None:

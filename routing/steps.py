@@ -66,7 +66,7 @@ def sum_rates(rates: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RateS
     total: dict[str, RateSums] = {}
     for replicas in rates:
         for name, entry in replicas.items():
-            t, s, n, a, bt, bs, bn = (*entry, 0.0, 0.0, 0)[:7] if len(entry) < 7 else entry
+            t, s, n, a, bt, bs, bn = (*entry, 0.0, 0.0, 0) if len(entry) == 4 else entry
             t0, s0, n0, a0, bt0, bs0, bn0 = total.get(name, NO_RATE)
             total[name] = (t0 + t, s0 + s, n0 + int(n), a0 + int(a), bt0 + bt, bs0 + bs,
                            bn0 + int(bn))
@@ -380,11 +380,12 @@ class StepTimer:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
         `alone`: after it, nothing this gateway sent there awaits its first token.
 
-        `shared`: other gateways had requests on the replica, decoding sequences this gateway
-        does not count in the step's batch; the step teaches the pool's rate nothing, since
-        that prices waits and drains in tokens. It still teaches the replica's own rate,
-        which only counts relative to the other replicas' (`speed`), all of them lengthened
-        alike. `others_prefilling`: they had prefill pending there, so the step may have
+        `shared`: other gateways had requests on the replica. The step teaches the pool's rate
+        nothing, since that prices waits and drains in tokens and must be right in tokens:
+        learned from such steps too, three gateways put tenants on 32 equal replicas near
+        saturation at 4.6 times one gateway's mean TTFT (docs/benchmarks.md). It still
+        teaches the replica's own rate, which counts only relative to the other replicas'
+        (`speed`). `others_prefilling`: they had prefill pending there, so the step may have
         ended prefills this gateway does not know of; it teaches no rate at all."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
