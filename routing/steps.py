@@ -128,15 +128,17 @@ class StepTimer:
         gateways shared (`set_remote_rates`): None until they are SPEED_MIN_SAMPLES, or
         SPEED_ALONE_SAMPLES from steps that left it nothing queued."""
         r = self._replicas.get(replica)
-        tokens, seconds, samples, alone = (
-            (r.rate_tokens, r.rate_seconds, r.rate_samples, r.alone_samples) if r is not None
-            else NO_RATE[:4])
-        remote = self._remote_rates.get(replica)
-        if remote is not None:
-            tokens += remote[0]
-            seconds += remote[1]
-            samples += remote[2]
-            alone += remote[3]
+        remote = self._remote_rates.get(replica) if self._remote_rates else None
+        if remote is None:  # one gateway: every view of every decision comes here, twice
+            if r is None:
+                return None
+            tokens, seconds = r.rate_tokens, r.rate_seconds
+            samples, alone = r.rate_samples, r.alone_samples
+        elif r is None:
+            tokens, seconds, samples, alone = remote[:4]
+        else:
+            tokens, seconds = r.rate_tokens + remote[0], r.rate_seconds + remote[1]
+            samples, alone = r.rate_samples + remote[2], r.alone_samples + remote[3]
         if seconds <= 0.0 or (samples < SPEED_MIN_SAMPLES and alone < SPEED_ALONE_SAMPLES):
             return None
         return tokens / seconds
