@@ -87,7 +87,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     shadow = any("shadow_agreement" in r for r in results)
     header = ["gateways", "Redis", "requests", "errors", "TTFT mean s", "/ 1 gw", "TTFT p99 s",
               "hit ratio", "hit/ideal", "prefill imb.", "agreement", "agr. last",
-              *(["shadow agr.", "shadow match"] if shadow else []), "warm requests",
+              *(["shadow agr.", "shadow match", "shadow held"] if shadow else []), "warm requests",
               "gateway CPU ms/req", "duration s"]
     rows = []
     for r in results:
@@ -98,7 +98,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             str(r["errors"]), _f(mean), _f(mean / ref_mean if mean and ref_mean else None),
             _f(r["ttft_p99_s"]), _f(hit), _f(hit / ideal if hit is not None and ideal else None),
             _f(r["prefill_imbalance"], 2), _f(r["agreement"]), _f(r.get("agreement_last")),
-            *([_f(r.get("shadow_agreement")), _f(r.get("shadow_match_agreement"))]
+            *([_f(r.get("shadow_agreement")), _f(r.get("shadow_match_agreement")),
+                 _f(r.get("shadow_held_agreement"))]
               if shadow else []),
             str(r["warm_requests"]),
             _f(r.get("gateway_cpu_ms_per_request"), 2), _f(r["duration_s"], 1)])

@@ -364,8 +364,9 @@ def render_table(res: dict[str, Any]) -> str:
         "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
         "prefill_imbalance", "prefill_time_imbalance", "peak_inflight_imbalance", "gateways",
         "agreement", "agreement_last", "warm_requests", "warm_miss_reasons",
-        "shadow_agreement", "shadow_match_agreement",
-        "latency_p50_s", "send_lag_p99_s", "requests_per_replica", "requests_per_gateway",
+        "shadow_agreement", "shadow_match_agreement", "shadow_held_agreement",
+        "shadow_held_requests", "latency_p50_s", "send_lag_p99_s", "requests_per_replica",
+        "requests_per_gateway",
         "gateway_cpu_ms_per_request")]
     return markdown_table(["metric", "value"], rows)
 

@@ -24,7 +24,7 @@ class Shadow:
     balancing of recent prefill count the real replica), so that its state follows the real
     fleet rather than a fleet of its own."""
 
-    __slots__ = ("_told", "matched", "picks", "router")
+    __slots__ = ("_told", "held", "matched", "picks", "router")
 
     def __init__(self, router: Router, requests: int) -> None:
         self.router = router
@@ -33,6 +33,10 @@ class Shadow:
         self.matched: list[tuple[int, int] | None] = [None] * requests
         """Per request, the blocks of it that the shadow's index held on its own pick and on
         the replica that really served it (None: not routed)."""
+        self.held: list[int | None] = [None] * requests
+        """Per request, the most blocks of it that the shadow's index held on any one replica
+        when it was asked (0: cold for one gateway, wherever the trace says it came before;
+        None: not routed)."""
         self._told: list[Decision | None] = [None] * requests
 
     def ask(self, request: RoutingRequest, views: list[ReplicaView]) -> Decision:
@@ -43,6 +47,9 @@ class Shadow:
         """Request `rid`, for which the shadow answered `pick`, really went as `real`: the
         shadow records that, and its pick."""
         router = self.router
+        # Before the request is recorded: what the shadow held when it was asked.
+        self.held[rid] = max((router.matched_blocks(name, request.hashes)
+                              for name in router.indexes), default=0) if request.hashes else 0
         told = pick if pick.replica == real.replica else decide(
             request, router, real.replica, real.reason, [])
         router.record(told.replica, request.hashes, told.uncached_tokens)
@@ -154,9 +161,11 @@ class ReplayShadow:
 
     def figures(self, requests: Sequence[TraceRequest],
                 replicas: Sequence[str | None]) -> dict[str, Any]:
-        """`shadow_agreement`, `shadow_match_agreement` and `shadow_warm_requests` of a run
-        whose request i was served by `replicas[i]`."""
-        return shadow_agreement(requests, replicas, self.shadow.picks, self.shadow.matched)
+        """`shadow_agreement`, `shadow_match_agreement`, `shadow_warm_requests`,
+        `shadow_held_agreement` and `shadow_held_requests` of a run whose request i was served
+        by `replicas[i]`."""
+        return shadow_agreement(requests, replicas, self.shadow.picks, self.shadow.matched,
+                                self.shadow.held)
 
 
 def replay_shadow(config: GatewayConfig | Mapping[str, Any], requests: Sequence[TraceRequest],

@@ -580,7 +580,8 @@ def simulate(
         **agreement_figures(reqs, served, run.reasons),
     }
     if run.shadow is not None:
-        report.update(shadow_agreement(reqs, served, run.shadow.picks, run.shadow.matched))
+        report.update(shadow_agreement(reqs, served, run.shadow.picks, run.shadow.matched,
+                                       run.shadow.held))
     if len(run.routers) > 1:
         sharing = sharing or Sharing()
         report["sharing"] = ({"flush_interval_s": sharing.flush_interval_s,
@@ -607,11 +608,20 @@ _COLUMNS = (
 )  # fmt: skip
 
 
+_SHADOW_COLUMNS = (
+    ("shadow_agreement", "shadow agr.", "{:.3f}"),
+    ("shadow_match_agreement", "shadow match", "{:.3f}"),
+    ("shadow_held_agreement", "shadow held", "{:.3f}"),
+)
+
+
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
-    """One row per report, for a terminal."""
-    return text_table([title for _, title, _ in _COLUMNS],
-                      [[fmt.format(r[key]) if r[key] is not None else "-"
-                        for key, _, fmt in _COLUMNS] for r in reports])
+    """One row per report, for a terminal; the shadow's figures when a run has them."""
+    columns = _COLUMNS + (_SHADOW_COLUMNS if any("shadow_agreement" in r for r in reports)
+                          else ())
+    return text_table([title for _, title, _ in columns],
+                      [[fmt.format(r[key]) if r.get(key) is not None else "-"
+                        for key, _, fmt in columns] for r in reports])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

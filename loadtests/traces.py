@@ -362,11 +362,12 @@ def agreement_figures(requests: Sequence[TraceRequest], replicas: Sequence[str |
 
 def shadow_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | None],
                      picks: Sequence[str | None],
-                     matched: Sequence[tuple[int, int] | None] | None = None
-                     ) -> dict[str, Any]:
+                     matched: Sequence[tuple[int, int] | None] | None = None,
+                     held: Sequence[int | None] | None = None) -> dict[str, Any]:
     """How often a warm request went where a shadow single gateway would have sent it:
     `shadow_agreement` (None when none is warm) and `shadow_warm_requests`; with `matched`,
-    also `shadow_match_agreement`.
+    also `shadow_match_agreement`; with `held`, also `shadow_held_agreement` and
+    `shadow_held_requests`.
 
     `replicas[i]` served `requests[i]` (None: failed) and `picks[i]` is the shadow's choice
     for it. Warm as in `home_agreement`: in trace order, its first block was in an earlier
@@ -375,14 +376,19 @@ def shadow_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | 
     replica that served it); match agreement = warm requests served by the pick or by a
     replica holding as many of their blocks / warm requests: a different replica with as much
     of the prompt cached is the same outcome for the cache, a choice between replicas that
-    differ only in load.
+    differ only in load. `held[i]` is the most blocks of the request that the shadow's index
+    held on any one replica when it was asked; held agreement = agreement over the warm
+    requests of which it held at least one block: a prefix that came before but is cached
+    nowhere by then (evicted everywhere) is a cold placement for one gateway too, chosen on
+    load alone.
     """
     if not len(requests) == len(replicas) == len(picks):
         raise ValueError("requests, replicas and picks differ in length")
-    if matched is not None and len(matched) != len(requests):
-        raise ValueError("requests and matched differ in length")
+    for name, extra in (("matched", matched), ("held", held)):
+        if extra is not None and len(extra) != len(requests):
+            raise ValueError(f"requests and {name} differ in length")
     seen: set[int] = set()
-    warm = agreed = as_cached = 0
+    warm = agreed = as_cached = held_warm = held_agreed = 0
     for i, (req, served, pick) in enumerate(zip(requests, replicas, picks, strict=True)):
         if served is None or not req.hash_ids:
             continue
@@ -392,13 +398,19 @@ def shadow_agreement(requests: Sequence[TraceRequest], replicas: Sequence[str | 
             same = served == pick
             agreed += same
             if matched is not None:
-                held = matched[i]
-                as_cached += same or (held is not None and held[1] >= held[0])
+                blocks = matched[i]
+                as_cached += same or (blocks is not None and blocks[1] >= blocks[0])
+            if held is not None and (held[i] or 0) > 0:
+                held_warm += 1
+                held_agreed += same
         seen.add(first)
     out: dict[str, Any] = {"shadow_agreement": agreed / warm if warm else None,
                            "shadow_warm_requests": warm}
     if matched is not None:
         out["shadow_match_agreement"] = as_cached / warm if warm else None
+    if held is not None:
+        out["shadow_held_agreement"] = held_agreed / held_warm if held_warm else None
+        out["shadow_held_requests"] = held_warm
     return out
 
 

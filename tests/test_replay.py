@@ -171,6 +171,8 @@ def test_replay_starts_gateways_on_one_config(run, tmp_path: Path, gateways: int
     assert (res["agreement"], res["warm_requests"]) == (agreement, 8)
     assert (res["shadow_agreement"], res["shadow_warm_requests"]) == (shadow, 8)
     assert res["shadow_match_agreement"] >= shadow
+    # Nothing is evicted: every warm request's prefix is held somewhere when it comes.
+    assert (res["shadow_held_agreement"], res["shadow_held_requests"]) == (shadow, 8)
     assert sum(res["requests_per_replica"]) == 9
     # The gateways ran one configuration, with the Redis replay started, on ports of their own.
     names = ["gateway"] if gateways == 1 else [f"gateway-{i}" for i in range(gateways)]

@@ -45,6 +45,9 @@ async def test_the_shadow_of_scripted_gateways_picks_each_prefix_holder() -> Non
     assert 3 / 5 <= res["shadow_agreement"] <= 4 / 5
     # 2's replica held less of it than the shadow's pick: a miss by either figure.
     assert res["shadow_match_agreement"] <= 4 / 5
+    # Each warm request's prefix was held by some replica when it came.
+    assert res["shadow_held_requests"] == 5
+    assert res["shadow_held_agreement"] == res["shadow_agreement"]
 
 
 def test_a_request_served_by_a_replica_the_shadow_does_not_know_is_not_counted() -> None:

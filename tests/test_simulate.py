@@ -418,6 +418,26 @@ def test_shadow_match_agreement_also_counts_a_replica_holding_as_much_of_the_pro
         shadow_agreement(reqs, served, picks, matched[:-1])
 
 
+def test_shadow_held_agreement_counts_only_warm_requests_some_replica_still_holds() -> None:
+    from loadtests.traces import BLOCK_TOKENS, TraceRequest, shadow_agreement
+
+    chains = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]
+    reqs = [TraceRequest(i / 10, len(c) * BLOCK_TOKENS, 4, c) for i, c in enumerate(chains)]
+    served = ["a", "b", "c", "a", "d"]
+    picks = ["a", "b", "a", "a", "a"]
+    # The most blocks of each that any replica held in the shadow's index when it was asked:
+    # 2 and 4 came before by the trace but were cached nowhere by then.
+    held = [0, 3, 0, 2, 0]
+    got = shadow_agreement(reqs, served, picks, held=held)
+    assert got["shadow_agreement"] == pytest.approx(2 / 4)
+    assert (got["shadow_held_agreement"], got["shadow_held_requests"]) == (1.0, 2)
+    # Nothing held anywhere: no figure rather than a made-up one.
+    none = shadow_agreement(reqs, served, picks, held=[0] * 5)
+    assert (none["shadow_held_agreement"], none["shadow_held_requests"]) == (None, 0)
+    with pytest.raises(ValueError, match="held"):
+        shadow_agreement(reqs, served, picks, held=held[:-1])
+
+
 def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     from backends.sim.profiles import PROFILES
     from loadtests.simulate import run_pool
@@ -433,9 +453,16 @@ def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     assert all(s is not None for s in served)
     # The same computation on the same state: every request, not only the warm ones.
     assert run.shadow.picks == served
-    got = shadow_agreement(workload.requests, served, run.shadow.picks, run.shadow.matched)
+    got = shadow_agreement(workload.requests, served, run.shadow.picks, run.shadow.matched,
+                           run.shadow.held)
     assert got["shadow_agreement"] == got["shadow_match_agreement"] == 1.0
+    assert got["shadow_held_agreement"] == 1.0
     assert all(m is not None and m[0] == m[1] for m in run.shadow.matched)
+    # What the shadow held is at least what its pick held, and with these small caches some
+    # warm requests were held nowhere when they came.
+    assert all(h is not None and m is not None and h >= m[0]
+               for h, m in zip(run.shadow.held, run.shadow.matched, strict=True))
+    assert 0 < got["shadow_held_requests"] < got["shadow_warm_requests"]
     figures = agreement_figures(workload.requests, served, run.reasons)
     assert got["shadow_warm_requests"] == figures["warm_requests"] > 100
     assert figures["agreement"] < 0.9
