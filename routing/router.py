@@ -9,7 +9,7 @@ from routing.load import NO_LOAD, LoadTracker, RemoteLoad
 from routing.policies import Policy
 from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
-from routing.steps import DECODE_AGREES, RateSums
+from routing.steps import DECODE_AGREES, POOL_RATE_KEY, RateSums
 from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
 
 
@@ -179,13 +179,14 @@ class Router:
     def apply_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
         """What other gateways learned of each replica's speed, its own prefill rate and its
         throughput while busy (their `own_rates`, summed: `routing.steps.sum_rates`),
-        replacing what they shared before; replicas this router does not have are left
-        out."""
-        self.load.steps.set_remote_rates(
-            {name: sums for name, sums in rates.items() if name in self.indexes})
+        and the pool's rate (under `POOL_RATE_KEY`), replacing what they shared before;
+        replicas this router does not have are left out."""
+        self.load.steps.set_remote_rates({name: sums for name, sums in rates.items()
+                                          if name in self.indexes or name == POOL_RATE_KEY})
 
     def own_rates(self) -> dict[str, list[float]]:
-        """What this router learned of each replica's speed, to share (`RateSums`)."""
+        """What this router learned of each replica's speed and of the pool's rate, to share
+        (`RateSums`)."""
         return self.load.steps.own_rates()
 
     # A request's life after the decision ---------------------------------------------------

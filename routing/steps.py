@@ -59,10 +59,16 @@ throughput while busy (`busy_speed`: uncached tokens, seconds, first tokens)."""
 
 NO_RATE: RateSums = (0.0, 0.0, 0, 0, 0.0, 0.0, 0)
 
+POOL_RATE_KEY = "*"
+"""Where `own_rates` puts the pool's rate (its decayed uncached tokens, seconds and samples,
+as the first three `RateSums`): under a name no replica can have, so that a gateway that does
+not know it leaves it out as a replica it does not have."""
+
 
 def sum_rates(rates: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RateSums]:
-    """Several gateways' `own_rates` summed per replica, for `set_remote_rates` (an entry of
-    four, an older gateway's, has no throughput while busy)."""
+    """Several gateways' `own_rates` summed per replica (and the pool's rate under
+    POOL_RATE_KEY), for `set_remote_rates` (an entry of four, an older gateway's, has no
+    throughput while busy)."""
     total: dict[str, RateSums] = {}
     for replicas in rates:
         for name, entry in replicas.items():
@@ -95,7 +101,7 @@ class StepTimer:
 
     __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
-                 "_remote_rates", "_replicas", "_unknown_speed")
+                 "_remote_pool", "_remote_rates", "_replicas", "_unknown_speed")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  decode_agrees: float = DECODE_AGREES) -> None:
@@ -106,6 +112,8 @@ class StepTimer:
         self._rate_tokens = 0.0
         self._rate_seconds = 0.0
         self._rate_samples = 0
+        # What other gateways learned of the pool's rate: (tokens, seconds, samples), summed.
+        self._remote_pool: tuple[float, float, int] | None = None
         self._decode = DecodeFit()
         self._reference: float | None = None  # the median replica's own rate, when fresh
         self._unknown_speed: float | None = None  # what an unknown replica's speed is, when fresh
@@ -119,9 +127,13 @@ class StepTimer:
         """Prefill tokens per second used to price waits (0 until known)."""
         if self._fixed_rate is not None:
             return self._fixed_rate
-        if self._rate_samples < RATE_MIN_SAMPLES or self._rate_seconds <= 0.0:
+        tokens, seconds, samples = self._rate_tokens, self._rate_seconds, self._rate_samples
+        remote = self._remote_pool
+        if remote is not None:
+            tokens, seconds, samples = tokens + remote[0], seconds + remote[1], samples + remote[2]
+        if samples < RATE_MIN_SAMPLES or seconds <= 0.0:
             return 0.0
-        return self._rate_tokens / self._rate_seconds
+        return tokens / seconds
 
     def replica_rate(self, replica: str) -> float | None:
         """The replica's own learned prefill rate, from this gateway's samples and those other
@@ -162,15 +174,23 @@ class StepTimer:
             busy = ([round(b.tokens, 1), round(b.seconds, 6), b.samples] if b is not None
                     else [0.0, 0.0, 0])
             out[name] = rate + busy
+        if self._rate_samples and self._fixed_rate is None:
+            out[POOL_RATE_KEY] = [round(self._rate_tokens, 1), round(self._rate_seconds, 6),
+                                  self._rate_samples, 0, 0.0, 0.0, 0]
         return out
 
     def set_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
-        """Replace what other gateways learned of each replica's speed (their `own_rates`,
-        summed): it counts with this gateway's samples. Gateways sharing a fleet each see a
-        share of its steps, and each alone would take that much longer to tell a slow
-        replica from a fast one."""
+        """Replace what other gateways learned of each replica's speed, and of the pool's
+        rate (their `own_rates`, summed): it counts with this gateway's samples. Gateways
+        sharing a fleet each see a share of its steps, and each alone would take that much
+        longer to tell a slow replica from a fast one, or to learn the rate at all."""
+        pool = rates.get(POOL_RATE_KEY)
+        # The pool's rate counts the same way: under load every step of every replica has
+        # another gateway's requests in it, and a gateway learns it only from the few that
+        # have none (three gateways on Mooncake at 8 replicas: 0-2 samples each in an hour).
+        self._remote_pool = (pool[0], pool[1], int(pool[2])) if pool and pool[1] > 0.0 else None
         self._remote_rates = {name: sums for name, sums in rates.items()
-                              if sums[1] > 0.0 or sums[5] > 0.0}
+                              if name != POOL_RATE_KEY and (sums[1] > 0.0 or sums[5] > 0.0)}
         self._reference = self._unknown_speed = self._busy_reference = None
 
     def speed(self, replica: str) -> float:

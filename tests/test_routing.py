@@ -499,6 +499,19 @@ def feed_replica(load: LoadTracker, name: str, cycles: int, decode_s: float,
         load.first_token(name, tokens, t, dispatched_at=sent_at)
 
 
+def test_a_configured_prefill_rate_is_not_shared_as_a_learned_one() -> None:
+    from routing.steps import POOL_RATE_KEY
+
+    learned, configured = LoadTracker(), LoadTracker(prefill_tokens_per_s=9_000.0)
+    for load in (learned, configured):
+        feed_replica(load, "r0", 12, 0.05, 0.05)
+    assert learned.steps.own_rates()[POOL_RATE_KEY][:3] == [
+        pytest.approx(learned.steps._rate_tokens, abs=0.1),
+        pytest.approx(learned.steps._rate_seconds, abs=1e-6), 11]
+    assert POOL_RATE_KEY not in configured.steps.own_rates()
+    assert "r0" in configured.steps.own_rates()
+
+
 def test_each_replica_learns_its_own_prefill_rate_and_speed() -> None:
     # r0 and r1 decode in 50 ms and prefill 1,000 tokens in 50 ms more (20,000 tokens/s); r2
     # is three times slower at everything, r3 1.2 times. The pool's decode line mixes them, so

@@ -430,10 +430,13 @@ async def test_what_one_gateway_learned_of_a_replicas_speed_the_other_prices_it_
         feed_replica(load_a, "rt-3", 20, 0.15, 0.15)  # three times slower
         assert load_a.view("rt-3").speed == pytest.approx(1 / 3, rel=0.02)
         assert router_b.load.view("rt-3").speed == 1.0
+        assert load_a.steps.rate > 0.0 and router_b.load.steps.rate == 0.0
         await sa.tick(True)
         await sb.tick(True)
         assert router_b.load.view("rt-3").speed == pytest.approx(1 / 3, rel=0.02)
         assert router_b.load.view("rt-0").speed == 1.0
+        # The pool's rate too: b has timed no step of its own.
+        assert router_b.load.steps.rate == pytest.approx(load_a.steps.rate, rel=1e-4)
         # Unchanged, what it learned is not written again, however often the writer looks.
         written = await a.redis.xlen(stream)
         sa._rates_at -= RATES_INTERVAL_S
@@ -443,6 +446,7 @@ async def test_what_one_gateway_learned_of_a_replicas_speed_the_other_prices_it_
         sb._set_peers(frozenset())
         assert router_b.load.steps.replica_rate("rt-3") is None
         assert router_b.load.view("rt-3").speed == 1.0
+        assert router_b.load.steps.rate == 0.0
 
 
 def _fields(raw: Any) -> list[tuple[bytes, Any]]:

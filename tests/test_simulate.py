@@ -595,6 +595,34 @@ def test_gateways_share_what_they_learned_of_each_replicas_rate() -> None:
         2 * 20 * 1000 / (20 * 0.15 + 20 * 0.075), rel=0.02)
 
 
+def test_gateways_share_what_they_learned_of_the_pools_prefill_rate() -> None:
+    from loadtests.sim_sharing import Gateways, Sharing
+    from routing import build_policy
+    from routing.steps import POOL_RATE_KEY, RATE_MIN_SAMPLES
+    from tests.test_routing import feed_replica
+
+    # Under load every step of every replica holds other gateways' requests, and a gateway
+    # learns the pool's rate only from the few that hold none: three gateways on Mooncake at
+    # 8 replicas learned 0-2 samples each in the hour, so none drained a queue or priced a
+    # step's wait, where one gateway does both. Here each of two has too few samples to use
+    # the rate; shared, they have enough.
+    names = ["r0", "r1"]
+    routers = [Router(names, build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    gws = Gateways(routers, Sharing(True, 0.01, 0.05, 0.0))
+    a, b = routers
+    feed_replica(a.load, "r0", 12, 0.05, 0.05)
+    feed_replica(b.load, "r1", 12, 0.05, 0.05)
+    assert a.load.steps.rate == b.load.steps.rate == 0.0
+    assert a.own_rates()[POOL_RATE_KEY][2] < RATE_MIN_SAMPLES
+    gws.now = 0.0
+    gws.run_until(0.06)
+    for router in routers:
+        assert router.load.steps.rate == pytest.approx(20_000.0, rel=0.02)
+        # The pool's entry is not taken for a replica's.
+        assert set(router.load.steps.replica_rates()) == {"r0", "r1"}
+
+
 def test_three_gateways_on_a_mixed_fleet_each_learn_the_slow_replicas() -> None:
     # Half the replicas at the 32B model's speed: three gateways each see a third of the
     # steps, and every step there holds the others' decoding requests. Learning nothing from
