@@ -21,11 +21,12 @@ connection of its own:
   `load_ttl_s` no longer counts; a gateway that stops says it has none.
 
 Each write also carries, when it changed and at most every `RATES_INTERVAL_S`, what the
-gateway learned of each replica's own prefill rate and of its throughput while busy
-(`Router.own_rates`); the others count it with their own samples
+gateway learned of each replica's own prefill rate and of its throughput while busy, and of
+the pool's prefill rate (`Router.own_rates`); the others count it with their own samples
 (`Router.apply_remote_rates`) until it leaves the registry. A gateway
 sees only its share of a replica's steps, and none it can learn from while another gateway's
-prefill is queued there: alone, three gateways learned almost none of a mixed fleet's speeds.
+prefill is queued there: alone, three gateways learned almost none of a mixed fleet's speeds,
+and under load almost none of the pool's rate.
 
 The gateways find each other in a registry (`{prefix}routing:gateways`, a sorted set of ids
 scored by their last heartbeat): every `_PEERS_EVERY_S` the reader refreshes its own entry
