@@ -187,7 +187,7 @@ class StepTimer:
         pool = rates.get(POOL_RATE_KEY)
         # The pool's rate counts the same way: under load every step of every replica has
         # another gateway's requests in it, and a gateway learns it only from the few that
-        # have none (three gateways on Mooncake at 8 replicas: 0-2 samples each in an hour).
+        # have none (three gateways on Mooncake at 8 replicas: 0-2 samples each in 23 minutes).
         self._remote_pool = (pool[0], pool[1], int(pool[2])) if pool and pool[1] > 0.0 else None
         self._remote_rates = {name: sums for name, sums in rates.items()
                               if name != POOL_RATE_KEY and (sums[1] > 0.0 or sums[5] > 0.0)}

@@ -603,7 +603,7 @@ def test_gateways_share_what_they_learned_of_the_pools_prefill_rate() -> None:
 
     # Under load every step of every replica holds other gateways' requests, and a gateway
     # learns the pool's rate only from the few that hold none: three gateways on Mooncake at
-    # 8 replicas learned 0-2 samples each in the hour, so none drained a queue or priced a
+    # 8 replicas learned 0-2 samples each in 23 minutes, so none drained a queue or priced a
     # step's wait, where one gateway does both. Here each of two has too few samples to use
     # the rate; shared, they have enough.
     names = ["r0", "r1"]
