@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from gateway.config import RoutingSettings
@@ -10,6 +12,9 @@ from loadtests.simulate import REPORT_KEYS, Workload, load_workload, main, simul
 from loadtests.traces import tenants_workload
 from routing import Router
 from routing.types import ReplicaView
+
+if TYPE_CHECKING:
+    from loadtests.sim_sharing import Gateways
 
 
 @pytest.fixture(scope="module")
@@ -565,18 +570,22 @@ def test_three_gateways_near_saturation_route_about_as_well_as_one() -> None:
     assert three["shadow_agreement"] > 0.9
 
 
-def test_gateways_share_what_they_learned_of_each_replicas_rate() -> None:
+def _two_sharing_gateways(names: list[str]) -> tuple[Gateways, list[Router]]:
+    """Two gateways' routers over `names`, sharing as through Redis (the simulator's)."""
     from loadtests.sim_sharing import Gateways, Sharing
     from routing import build_policy
+
+    routers = [Router(names, build_policy("prefix_affinity", {}), block_chars=4)
+               for _ in range(2)]
+    return Gateways(routers, Sharing(True, 0.01, 0.05, 0.0)), routers
+
+
+def test_gateways_share_what_they_learned_of_each_replicas_rate() -> None:
     from tests.test_routing import feed_replica
 
     # Gateway a has timed r2's steps three times as long as r0's and r1's; b has seen none
     # of them. Once a's writer looks at what it learned, b prices r2 as a does.
-    names = ["r0", "r1", "r2"]
-    routers = [Router(names, build_policy("prefix_affinity", {}), block_chars=4)
-               for _ in range(2)]
-    gws = Gateways(routers, Sharing(True, 0.01, 0.05, 0.0))
-    a, b = routers
+    gws, (a, b) = _two_sharing_gateways(["r0", "r1", "r2"])
     feed_replica(a.load, "r0", 20, 0.05, 0.05)
     feed_replica(a.load, "r1", 20, 0.05, 0.05)
     feed_replica(a.load, "r2", 20, 0.15, 0.15)
@@ -596,8 +605,6 @@ def test_gateways_share_what_they_learned_of_each_replicas_rate() -> None:
 
 
 def test_gateways_share_what_they_learned_of_the_pools_prefill_rate() -> None:
-    from loadtests.sim_sharing import Gateways, Sharing
-    from routing import build_policy
     from routing.steps import POOL_RATE_KEY, RATE_MIN_SAMPLES
     from tests.test_routing import feed_replica
 
@@ -606,10 +613,7 @@ def test_gateways_share_what_they_learned_of_the_pools_prefill_rate() -> None:
     # 8 replicas learned 0-2 samples each in 23 minutes, so none drained a queue or priced a
     # step's wait, where one gateway does both. Here each of two has too few samples to use
     # the rate; shared, they have enough.
-    names = ["r0", "r1"]
-    routers = [Router(names, build_policy("prefix_affinity", {}), block_chars=4)
-               for _ in range(2)]
-    gws = Gateways(routers, Sharing(True, 0.01, 0.05, 0.0))
+    gws, routers = _two_sharing_gateways(["r0", "r1"])
     a, b = routers
     feed_replica(a.load, "r0", 12, 0.05, 0.05)
     feed_replica(b.load, "r1", 12, 0.05, 0.05)
