@@ -617,11 +617,12 @@ _SHADOW_COLUMNS = (
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     """One row per report, for a terminal; the shadow's figures when a run has them."""
-    columns = _COLUMNS + (_SHADOW_COLUMNS if any("shadow_agreement" in r for r in reports)
-                          else ())
-    return text_table([title for _, title, _ in columns],
-                      [[fmt.format(r[key]) if r.get(key) is not None else "-"
-                        for key, _, fmt in columns] for r in reports])
+    shadow = _SHADOW_COLUMNS if any("shadow_agreement" in r for r in reports) else ()
+    return text_table([title for _, title, _ in _COLUMNS + shadow],
+                      [[fmt.format(r[key]) if r[key] is not None else "-"
+                        for key, _, fmt in _COLUMNS]
+                       + [fmt.format(r[key]) if r.get(key) is not None else "-"
+                          for key, _, fmt in shadow] for r in reports])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -443,6 +443,21 @@ def test_shadow_held_agreement_counts_only_warm_requests_some_replica_still_hold
         shadow_agreement(reqs, served, picks, held=held[:-1])
 
 
+def test_the_simulators_table_shows_the_shadows_figures_when_a_run_has_them() -> None:
+    from loadtests.simulate import format_table
+
+    workload = load_workload(workload="multi_turn", params={"n_sessions": 20,
+                                                            "rate_per_s": 8})
+    one = simulate(workload, "prefix_affinity", replicas=2)
+    three = simulate(workload, "prefix_affinity", replicas=2, gateways=3)
+    assert "shadow held" not in format_table([one])
+    header, row = format_table([three]).splitlines()[:2]
+    assert header.split()[-6:] == ["shadow", "agr.", "shadow", "match", "shadow", "held"]
+    assert row.split()[-1] == f"{three['shadow_held_agreement']:.3f}"
+    # Runs with and without a shadow in one table: "-" where a run has none.
+    assert format_table([one, three]).splitlines()[1].split()[-3:] == ["-", "-", "-"]
+
+
 def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     from backends.sim.profiles import PROFILES
     from loadtests.simulate import run_pool
