@@ -78,9 +78,10 @@ class LoadTracker:
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
         batch = self.batch(replica)
-        if self.pending_prefill.get(replica, 0.0) > 0.0:
+        awaiting = self.pending_prefill.get(replica, 0.0) > 0.0
+        if awaiting:
             self._credit(replica, now, batch)
-        self.steps.chunk(replica, now, batch, self.pending_prefill.get(replica, 0.0) > 0.0)
+        self.steps.chunk(replica, now, batch, awaiting)
 
     def batch(self, replica: str) -> int:
         """Requests in flight on the replica, this gateway's and the others' (as they last
@@ -172,12 +173,12 @@ class LoadTracker:
         """What a policy sees of `replica` at `now`: this router's load there and the other
         gateways', its step and speeds, and what the engine's last scraped metrics said
         (`engine_waiting`, `kv_usage`; as the defaults, never scraped)."""
-        wait = 0.0
-        if now is not None and self.inflight.get(replica):
-            wait = self.steps.rate * self.steps.remaining(replica, now)
+        steps = self.steps
+        rate = steps.rate  # a property that adds what other gateways learned: read it once
         inflight = self.inflight.get(replica, 0)
+        wait = rate * steps.remaining(replica, now) if now is not None and inflight else 0.0
         pending = self.pending_prefill.get(replica, 0.0)
-        left = self.prefill_left(replica) if self.steps.rate > 0.0 else None
+        left = self.prefill_left(replica) if rate > 0.0 else None
         if self.remote:
             n, p, remote_left = self.remote.get(replica, NO_LOAD)
             inflight += n
@@ -190,8 +191,8 @@ class LoadTracker:
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
             prefill_left_tokens=left,
-            speed=self.steps.speed(replica),
-            busy_speed=self.steps.busy_speed(replica),
+            speed=steps.speed(replica),
+            busy_speed=steps.busy_speed(replica),
             engine_waiting=engine_waiting,
             kv_usage=kv_usage,
         )
