@@ -409,8 +409,9 @@ class StepTimer:
         1.078 times one gateway's (docs/benchmarks.md): the decode line such a step is
         measured against starts on steps that held other gateways' prefills. It still
         teaches the replica's own rate, which counts only relative to the other replicas'
-        (`speed`), where a bias common to all replicas cancels. `others_prefilling`: they had prefill pending there, so the step may have
-        ended prefills this gateway does not know of; it teaches no rate at all."""
+        (`speed`), where a bias common to all replicas cancels. `others_prefilling`: they
+        had prefill pending there, so the step may have ended prefills this gateway does not
+        know of; it teaches no rate at all."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
