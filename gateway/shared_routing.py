@@ -230,8 +230,11 @@ class SharedRouting:
         if self.link.up:  # peers stop counting this gateway's load at once (best effort)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._forget_own_load(), 1.0)
-        for conn in self._conns.values():
+        # A copy: a cancelled reader or writer drops its connection from the map as its
+        # cancellation runs, which on a loaded machine can be while these wait.
+        for conn in list(self._conns.values()):
             await conn.disconnect()
+        self._conns.clear()
         await self.link.aclose()
 
     async def _forget_own_load(self) -> None:

@@ -381,6 +381,29 @@ async def test_an_idle_gateway_writes_nothing_and_a_stopping_one_drops_its_load(
         assert router_b.load.remote == {}
 
 
+async def test_a_connection_dropped_while_stopping_does_not_break_the_stop(
+        redis_server: RedisServer) -> None:
+    """A reader or writer cancelled by `stop` drops its connection from the gateway's map when
+    its cancellation runs, which can be while `stop` disconnects the others (a loaded
+    machine): iterating the map itself then raised "dictionary keys changed during
+    iteration" out of the gateway's shutdown."""
+    async with two_states(redis_server) as (a, _):
+        shared = a.shared
+        await shared.write(True)
+        await shared.read(None)
+        assert set(shared._conns) == {"write", "read"}
+        writer, reader = shared._conns["write"], shared._conns["read"]
+        disconnect = writer.disconnect
+
+        async def dropping_the_reader(*args: Any, **kwargs: Any) -> None:
+            await disconnect(*args, **kwargs)
+            shared._conns.pop("read", None)  # as the cancelled reader's handler does
+
+        writer.disconnect = dropping_the_reader
+        await shared.stop()
+        assert not writer.is_connected and not reader.is_connected
+
+
 async def test_a_gateway_never_reads_its_own_entries_back(redis_server: RedisServer) -> None:
     """Each gateway writes a stream of its own and reads only the others': its reader is not
     woken by its own writes to parse and discard them (on one shared stream per pool, every
