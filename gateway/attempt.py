@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from time import perf_counter
+from time import perf_counter, time
 from typing import TYPE_CHECKING
 
 from backends.health import HealthMonitor
@@ -52,7 +52,8 @@ class Attempt:
         """The replica's response was abandoned: drop its connection, do not reuse it."""
         self.trial = trial
         """The request's experiment trial, if its class is in one: told how it ended."""
-        pool.router.dispatched(decision)
+        # On the wall clock: gateways on other hosts compare it with their own requests'.
+        pool.router.dispatched(decision, time())
         observer.inflight(pool.name, replica.name, 1)
         self.sent_at = perf_counter()
 

@@ -483,7 +483,7 @@ def run_pool(
             continue  # a prompt longer than the engine's KV cache: a 400 error over HTTP
         replica_of[rid] = i
         decisions[rid] = decision
-        router.dispatched(decision)
+        router.dispatched(decision, now)
         if shade is not None:
             shade.dispatched(rid)
         gws.changed(g, now)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
@@ -9,11 +10,12 @@ from contextlib import suppress
 from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
 
-RemoteLoad = tuple[int, float, float]
+RemoteLoad = tuple[int, float, float, int, float]
 """Other gateways' load on a replica: (requests in flight, pending prefill tokens, of which
-presumably not yet computed)."""
+presumably not yet computed, first tokens seen there so far, when the oldest request still
+awaiting its first token was sent: inf if none or not said)."""
 
-NO_LOAD: RemoteLoad = (0, 0.0, 0.0)
+NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf)
 """No other gateway's load on a replica."""
 
 HEAD_CREDIT_MAX = 0.9
@@ -30,7 +32,8 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("_drain", "_order", "inflight", "pending_prefill", "remote", "steps")
+    __slots__ = ("_drain", "_first_tokens", "_order", "_sent", "inflight", "pending_prefill",
+                 "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  speed_decode_agrees: float = DECODE_AGREES) -> None:
@@ -42,36 +45,56 @@ class LoadTracker:
         computed: see `prefill_left`."""
         self._order: dict[str, deque[float]] = {}
         """Replica -> uncached tokens of its requests awaiting a first token, oldest first."""
+        self._sent: dict[str, deque[float]] = {}
+        """Replica -> when those requests were sent (`dispatched`), in the same order."""
+        self._first_tokens: dict[str, int] = {}
+        """Replica -> first tokens seen there so far, told to other gateways (`own_load`)."""
         self.remote: dict[str, RemoteLoad] = {}
-        """Replica -> (in flight, pending prefill tokens, of which left to compute) that other
-        gateways sharing this one's routing state report having put there; added to this
-        gateway's own counts in `view`, never to `inflight` or `pending_prefill` (what this
-        gateway must finish)."""
+        """Replica -> the load other gateways sharing this one's routing state report having
+        put there (`RemoteLoad`); added to this gateway's own counts in `view`, never to
+        `inflight` or `pending_prefill` (what this gateway must finish)."""
 
-    def own_load(self) -> dict[str, list[float]]:
+    def own_load(self) -> dict[str, list[float | None]]:
         """What this gateway has in flight, as it tells others: {replica: [requests, pending
-        prefill tokens, of those presumably not yet computed (`prefill_left`)]} for the
-        replicas with requests. Others must see the same drained figure this gateway routes
-        on: counted whole, its long prompts would make a replica look busier to every other
-        gateway than to it, and they would spill away from it more than one gateway would."""
+        prefill tokens, of those presumably not yet computed (`prefill_left`), first tokens
+        seen there so far, when the oldest request awaiting its first token was sent (None:
+        none, or not said)]} for the replicas with requests.
+
+        Others must see the same drained figure this gateway routes on: counted whole, its
+        long prompts would make a replica look busier to every other gateway than to it, and
+        they would spill away from it more than one gateway would. The first tokens tell them
+        which engine steps ended one of this gateway's prefills (`StepTimer.chunk`); the
+        oldest request, whose prefill the engine computes first (`_credit`)."""
         pending = self.pending_prefill
-        out: dict[str, list[float]] = {}
+        out: dict[str, list[float | None]] = {}
         for r, n in self.inflight.items():
             if n > 0:
                 p = pending.get(r, 0.0)
                 # What is presumed computed, in steps of 16 tokens: it grows every engine step,
                 # and each change of the figure is a write to the other gateways.
                 done = (p - self.prefill_left(r)) // 16.0 * 16.0 if p > 0.0 else 0.0
-                out[r] = [n, round(p, 1), round(p - done, 1)]
+                sent = self._sent.get(r)
+                oldest = sent[0] if sent and p > 0.0 and sent[0] > -math.inf else None
+                out[r] = [n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
+                          None if oldest is None else round(oldest, 3)]
         return out
 
-    def set_remote(self, loads: Mapping[str, RemoteLoad]) -> None:
-        """Replace the other gateways' load with `loads` (replicas absent: none)."""
-        self.remote = {r: (max(0, int(n)), max(0.0, float(p)), max(0.0, float(left)))
-                       for r, (n, p, left) in loads.items() if n > 0 or p > 0}
+    def set_remote(self, loads: Mapping[str, Sequence[float]]) -> None:
+        """Replace the other gateways' load with `loads` (`RemoteLoad`s, or their first three
+        numbers alone; replicas absent: none)."""
+        self.remote = {
+            r: (max(0, int(load[0])), max(0.0, float(load[1])), max(0.0, float(load[2])),
+                int(load[3]) if len(load) > 3 else 0,
+                float(load[4]) if len(load) > 4 else math.inf)
+            for r, load in loads.items() if load[0] > 0 or load[1] > 0}
 
-    def dispatched(self, replica: str, uncached_tokens: float) -> None:
+    def dispatched(self, replica: str, uncached_tokens: float,
+                   sent_at: float | None = None) -> None:
+        """A request with `uncached_tokens` to prefill was sent to `replica` at `sent_at`,
+        on a clock every gateway sharing this one's state reads alike (wall-clock seconds in
+        the gateway); None: unknown, as if before any other gateway's."""
         self._order.setdefault(replica, deque()).append(uncached_tokens)
+        self._sent.setdefault(replica, deque()).append(-math.inf if sent_at is None else sent_at)
         self.inflight[replica] = self.inflight.get(replica, 0) + 1
         self.pending_prefill[replica] = self.pending_prefill.get(replica, 0.0) + uncached_tokens
 
@@ -81,7 +104,8 @@ class LoadTracker:
         awaiting = self.pending_prefill.get(replica, 0.0) > 0.0
         if awaiting:
             self._credit(replica, now, batch)
-        self.steps.chunk(replica, now, batch, awaiting)
+        others = self.remote.get(replica) if self.remote else None
+        self.steps.chunk(replica, now, batch, awaiting, others[3] if others is not None else 0)
 
     def batch(self, replica: str) -> int:
         """Requests in flight on the replica, this gateway's and the others' (as they last
@@ -97,28 +121,21 @@ class LoadTracker:
         self.pending_prefill[replica] = left if left > 1e-6 else 0.0
         order = self._order.get(replica)
         if order:
+            sent = self._sent[replica]
             if order[0] == uncached_tokens:
                 order.popleft()
+                sent.popleft()
                 self._drain[replica] = 0.0  # the next oldest one is now being prefilled
             else:
                 with suppress(ValueError):  # not sent through dispatched(): nothing to drop
-                    order.remove(uncached_tokens)
-        if now is not None and dispatched_at is not None:
-            # Another gateway with prefill pending there may have had first tokens in the
-            # same step, which this one cannot see (nor those it sent in the last few
-            # milliseconds, which its shared load does not show yet): the step's length is
-            # not this request's prefill alone. Learned from, such steps skewed three
-            # gateways' rates (tenants near saturation: 11,451 tokens/s against one gateway's
-            # 6,651, and 20x its mean TTFT); none learned is far better (step waits not
-            # priced, pending prefill counted whole). With their requests only decoding
-            # there, the replica's own rate still learns (`StepTimer.prefill_done`): without
-            # it, gateways sharing a fleet of mixed speeds learned almost no speeds.
-            others = self.remote.get(replica)
-            self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
-                                    shared=others is not None and (others[0] > 0
-                                                                   or others[1] > 0.0),
-                                    others_prefilling=others is not None and others[1] > 0.0,
-                                    alone=self.pending_prefill.get(replica, 0.0) <= 0.0)
+                    i = order.index(uncached_tokens)
+                    del order[i]
+                    del sent[i]
+        if now is not None:
+            self._first_tokens[replica] = self._first_tokens.get(replica, 0) + 1
+            if dispatched_at is not None:
+                self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
+                                        alone=self.pending_prefill.get(replica, 0.0) <= 0.0)
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)
@@ -133,6 +150,8 @@ class LoadTracker:
         self.pending_prefill.pop(replica, None)
         self._drain.pop(replica, None)
         self._order.pop(replica, None)
+        self._sent.pop(replica, None)
+        self._first_tokens.pop(replica, None)
         self.steps.forget(replica)
 
     def prefill_left(self, replica: str) -> float:
@@ -146,7 +165,8 @@ class LoadTracker:
         to the oldest request awaiting its first token only (an engine prefills in arrival
         order), and never all of it: if the router believed it cached more than the engine
         still held, its prefill is longer than believed, and that must not be taken off the
-        requests queued behind it.
+        requests queued behind it. Nor while another gateway's oldest request there was sent
+        before this one's: the engine is computing that one, and its gateway credits it.
         """
         pending = self.pending_prefill.get(replica, 0.0)
         done = self._drain.get(replica, 0.0)
@@ -155,6 +175,13 @@ class LoadTracker:
     def _credit(self, replica: str, now: float, batch: int) -> None:
         """A step of `replica` (running `batch` sequences) ended at `now` with prefill
         pending: credit what it computed."""
+        others = self.remote.get(replica) if self.remote else None
+        sent = self._sent.get(replica)
+        if others is not None and sent and others[4] < sent[0]:
+            # Credited to this gateway's oldest request as well, three gateways' queues
+            # looked about a tenth drained when they were not (tenants on the mixed fleet
+            # near saturation: 8% slower than one gateway).
+            return
         steps = self.steps
         last = steps.last_end(replica)
         # The replica's own learned rate when it has one (replicas may differ in speed).
@@ -180,7 +207,7 @@ class LoadTracker:
         pending = self.pending_prefill.get(replica, 0.0)
         left = self.prefill_left(replica) if rate > 0.0 else None
         if self.remote:
-            n, p, remote_left = self.remote.get(replica, NO_LOAD)
+            n, p, remote_left, *_ = self.remote.get(replica, NO_LOAD)
             inflight += n
             pending += p
             if left is not None:
@@ -198,14 +225,20 @@ class LoadTracker:
         )
 
 
-def sum_loads(loads: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, RemoteLoad]:
-    """Other gateways' (or workers') `own_load`s summed per replica, for `set_remote`. An
-    entry without the drained figure (an older gateway's) counts its pending prefill whole."""
+def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str, RemoteLoad]:
+    """Other gateways' (or workers') `own_load`s summed per replica (the oldest request: the
+    oldest of theirs), for `set_remote`. An entry of an older gateway lacks the last figures:
+    without the drained one it counts its pending prefill whole; without the first tokens,
+    none (steps ending its prefills teach this gateway as its own would); without the oldest
+    request, none ahead of this gateway's."""
     total: dict[str, RemoteLoad] = {}
     for replicas in loads:
         for replica, entry in replicas.items():
-            n, pending = entry[0], float(entry[1])
-            left = float(entry[2]) if len(entry) > 2 else pending
-            n0, p0, l0 = total.get(replica, NO_LOAD)
-            total[replica] = (n0 + int(n), p0 + pending, l0 + left)
+            n, pending = int(entry[0] or 0), float(entry[1] or 0.0)
+            left = float(entry[2] if entry[2] is not None else pending) if len(entry) > 2 else (
+                pending)
+            firsts = int(entry[3] or 0) if len(entry) > 3 else 0
+            oldest = entry[4] if len(entry) > 4 and entry[4] is not None else math.inf
+            n0, p0, l0, f0, o0 = total.get(replica, NO_LOAD)
+            total[replica] = (n0 + n, p0 + pending, l0 + left, f0 + firsts, min(o0, oldest))
     return total

@@ -191,9 +191,10 @@ class Router:
 
     # A request's life after the decision ---------------------------------------------------
 
-    def dispatched(self, decision: Decision) -> None:
-        """The request was sent to `decision.replica`."""
-        self.load.dispatched(decision.replica, decision.uncached_tokens)
+    def dispatched(self, decision: Decision, sent_at: float | None = None) -> None:
+        """The request was sent to `decision.replica` at `sent_at` (on the clock gateways
+        sharing routing state read alike: `LoadTracker.dispatched`)."""
+        self.load.dispatched(decision.replica, decision.uncached_tokens, sent_at)
         if self._tell_load:
             self._load_update(decision.replica)
 
@@ -217,6 +218,6 @@ class Router:
 
     def _load_update(self, replica: str) -> None:
         load = self.load
-        n, p, _ = load.remote.get(replica, NO_LOAD)
+        n, p, *_ = load.remote.get(replica, NO_LOAD)
         self.policy.on_load_update(replica, load.inflight.get(replica, 0) + n,
                                    load.pending_prefill.get(replica, 0.0) + p)

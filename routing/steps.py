@@ -185,9 +185,8 @@ class StepTimer:
         sharing a fleet each see a share of its steps, and each alone would take that much
         longer to tell a slow replica from a fast one, or to learn the rate at all."""
         pool = rates.get(POOL_RATE_KEY)
-        # The pool's rate counts the same way: under load every step of every replica has
-        # another gateway's requests in it, and a gateway learns it only from the few that
-        # have none (three gateways on Mooncake at 8 replicas: 0-2 samples each in 23 minutes).
+        # The pool's rate counts the same way: a gateway learns it only from steps that end
+        # a prefill of its own and none of another gateway's, a share of them.
         self._remote_pool = (pool[0], pool[1], int(pool[2])) if pool and pool[1] > 0.0 else None
         self._remote_rates = {name: sums for name, sums in rates.items()
                               if name != POOL_RATE_KEY and (sums[1] > 0.0 or sums[5] > 0.0)}
@@ -313,9 +312,11 @@ class StepTimer:
         return self._decode.predict(batch)
 
     def chunk(self, replica: str, now: float, inflight: int = 1,
-              awaiting_prefill: bool = False) -> None:
-        """The replica, with `inflight` requests there (some `awaiting_prefill`: sent, no
-        first token yet), streamed a chunk at `now`."""
+              awaiting_prefill: bool = False, others_first_tokens: int = 0) -> None:
+        """The replica, with `inflight` requests there (some of this gateway's
+        `awaiting_prefill`: sent, no first token yet), streamed a chunk at `now`.
+        `others_first_tokens`: how many first tokens other gateways sharing this one's state
+        have seen there so far, as they last said (`LoadTracker.own_load`)."""
         r = self._replicas.get(replica)
         if r is None:
             r = self._replicas[replica] = _Steps()
@@ -326,6 +327,11 @@ class StepTimer:
             # first: this runs for every chunk the gateway relays.)
             if gap < _typical_same_step_s(r) or gap < self._decode_same_step_s(r):
                 return
+            # Other gateways' first tokens at the end of that step reach this one a few
+            # milliseconds later (as they share their load), well before the end of this
+            # step: a count that moved since that step ended says one of their prefills ended
+            # in it.
+            r.others_ended = others_first_tokens != r.others_seen
             self._close_step(r, last)
             if est is None:
                 r.step_s = gap
@@ -335,8 +341,8 @@ class StepTimer:
         r.prev_end = last
         r.last_end = now
         r.prefill = 0.0
-        r.shared = False
         r.firsts = 0
+        r.others_seen = others_first_tokens
         r.batch = inflight
         r.awaiting = awaiting_prefill
 
@@ -361,8 +367,15 @@ class StepTimer:
         decode = self._decode.predict(batch)
         # A step no longer than decode alone takes carried no prefill chunk: a prefill that
         # ends in the next step must have run in that step alone.
-        r.prev_decode_only = (not firsts and decode is not None
+        r.prev_decode_only = (not firsts and not r.others_ended and decode is not None
                               and length <= DECODE_ONLY_FACTOR * decode)
+        if r.others_ended:
+            # It ended another gateway's prefill, whose tokens and dispatch this one does not
+            # know: not a decode step, and no measure of a prefill. Taken for decode steps,
+            # such steps raised three gateways' decode line to 1.3 s at a batch of 100 where
+            # the engines take 0.215 s (tenants at 8 replicas near saturation), and every
+            # prefill measured against it came out several times too fast.
+            return
         if not firsts:
             # A step that ends no prefill is decode alone if no prefill was waiting when it
             # began, or if it is as short as decode alone: a chunk of a long prompt makes a
@@ -381,7 +394,7 @@ class StepTimer:
             return
         if r.prefill is None:
             return
-        if decode is not None and length > decode and not r.shared:
+        if decode is not None and length > decode:
             keep = 1.0 - 1.0 / DECAY_SAMPLES
             self._rate_tokens = self._rate_tokens * keep + r.prefill
             self._rate_seconds = self._rate_seconds * keep + (length - decode)
@@ -397,21 +410,10 @@ class StepTimer:
             self._reference = self._unknown_speed = None
 
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
-                     dispatched_at: float, shared: bool = False, alone: bool = False,
-                     others_prefilling: bool = False) -> None:
+                     dispatched_at: float, alone: bool = False) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
-        `alone`: after it, nothing this gateway sent there awaits its first token.
-
-        `shared`: other gateways had requests on the replica. The step teaches the pool's rate
-        nothing, since that prices waits and drains in tokens and must be right in tokens:
-        learned from such steps too, three gateways' rate came out at 10,100-10,300 tokens/s
-        against 6,400 on tenants at 32 equal replicas near saturation, and their mean TTFT at
-        1.078 times one gateway's (docs/benchmarks.md): the decode line such a step is
-        measured against starts on steps that held other gateways' prefills. It still
-        teaches the replica's own rate, which counts only relative to the other replicas'
-        (`speed`), where a bias common to all replicas cancels. `others_prefilling`: they
-        had prefill pending there, so the step may have ended prefills this gateway does not
-        know of; it teaches no rate at all."""
+        `alone`: after it, nothing this gateway sent there awaits its first token. A step
+        that also ended another gateway's prefill teaches nothing (see `chunk`)."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
@@ -419,11 +421,7 @@ class StepTimer:
             return
         r.firsts += 1
         r.left_alone = alone
-        if shared:
-            r.shared = True
-        if others_prefilling:
-            r.prefill = None
-        elif r.prefill is not None and (dispatched_at >= _step_before_began(r)
+        if r.prefill is not None and (dispatched_at >= _step_before_began(r)
                                       or r.prev_decode_only):
             # This step carried the whole prefill: the request was sent while the step before
             # ran (or after this one seemed to begin: a chunk reaches the gateway a little
@@ -455,6 +453,7 @@ class StepTimer:
         if r is not None:
             r.last_end = r.prev_end = r.prev_start = None
             r.prev_decode_only = False
+            r.others_seen = None
 
     def forget(self, replica: str) -> None:
         """The replica left the pool: its step timing goes."""
@@ -494,8 +493,9 @@ class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
     __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "last_end",
-                 "left_alone", "prefill", "prev_decode_only", "prev_end", "prev_start",
-                 "rate_samples", "rate_seconds", "rate_tokens", "shared", "step_s")
+                 "left_alone", "others_ended", "others_seen", "prefill", "prev_decode_only",
+                 "prev_end", "prev_start", "rate_samples", "rate_seconds", "rate_tokens",
+                 "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
@@ -506,7 +506,10 @@ class _Steps:
         self.awaiting = False  # a prefill was waiting when the step in flight began
         self.firsts = 0  # first tokens at the end of the last step
         self.left_alone = False  # the last of them left nothing of this gateway's queued
-        self.shared = False  # other gateways had requests there when one of them came
+        # Other gateways' first tokens there as they said when the step in flight began, and
+        # whether that count moved during the last step (one of their prefills ended in it).
+        self.others_seen: int | None = None
+        self.others_ended = False
         # Uncached tokens whose prefill ended in the last step; None when the step also
         # finished a prefill that cannot be attributed to it alone.
         self.prefill: float | None = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -453,6 +454,36 @@ def test_other_gateways_see_the_drained_prefill_this_one_routes_on() -> None:
     assert b.view("r0").prefill_left_tokens == 40_000.0
 
 
+def test_no_drain_while_another_gateways_older_request_is_the_one_prefilling() -> None:
+    # Gateway B sent a 20k-token prompt to r0 at t=1.0, gateway A a 10k one at t=2.0. The
+    # engine prefills in arrival order: B's first. Credited to A's as well, each 0.5 s step
+    # counted twice (three gateways on the mixed fleet's tenants near saturation: queues
+    # looked about a tenth drained that were not, 8% slower than one gateway).
+    a, b = (LoadTracker(prefill_tokens_per_s=10_000.0) for _ in range(2))
+    for load in (a, b):
+        load.steps._decode.observe(1, 0.040)
+    b.dispatched("r0", 20_000.0, sent_at=1.0)
+    a.dispatched("r0", 10_000.0, sent_at=2.0)
+    a.set_remote(sum_loads([b.own_load()]))
+    assert a.remote["r0"][4] == 1.0  # when B's oldest request there was sent
+    for i in range(4):
+        a.chunk("r0", 0.5 * i)
+    assert a.view("r0").prefill_left_tokens == 10_000.0 + 20_000.0
+    b.first_token("r0", 20_000.0, 2.0, dispatched_at=1.0)  # B's done: A's is the oldest now
+    a.set_remote(sum_loads([b.own_load()]))
+    assert a.remote["r0"][4] == math.inf
+    a.chunk("r0", 2.0)
+    assert a.view("r0").prefill_left_tokens == pytest.approx(10_000.0 - 4_600.0)
+    # A's own request sent first (or an older gateway that does not say when): A credits.
+    c = LoadTracker(prefill_tokens_per_s=10_000.0)
+    c.steps._decode.observe(1, 0.040)
+    c.dispatched("r0", 10_000.0, sent_at=0.5)
+    c.set_remote(sum_loads([b.own_load(), {"r1": [1, 500.0, 500.0]}]))
+    c.chunk("r0", 0.0)
+    c.chunk("r0", 0.5)
+    assert c.view("r0").prefill_left_tokens == pytest.approx(10_000.0 - 4_600.0)
+
+
 def test_no_drain_without_a_rate_or_while_only_decoding() -> None:
     load = LoadTracker()  # no rate learned yet: nothing is presumed done
     load.dispatched("r0", 8_000.0)
@@ -551,28 +582,55 @@ def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> N
     assert load.view("r3").speed < 0.5
 
 
-def test_a_step_another_gateway_had_prefill_pending_in_teaches_no_rate() -> None:
-    # Another gateway (or worker) has prefill queued on r1: a step there may end prefills of
-    # theirs, which this gateway does not see, so the step's length says nothing of this
-    # gateway's tokens. r0, where no other gateway has anything, learns as before.
-    load = LoadTracker()
-    load.set_remote({"r1": (2, 3000.0, 3000.0)})
-    feed_replica(load, "r0", 40, 0.05, 0.05)
-    feed_replica(load, "r1", 40, 0.05, 0.05)
-    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
-    assert load.steps.replica_rate("r1") is None
+def test_a_step_that_ended_another_gateways_prefill_teaches_neither_decode_nor_rate() -> None:
+    # Another gateway (or worker) has requests on r1 and r2, prefill queued on both. On r1
+    # each prefill step also ended one of its prefills (its count of first tokens there moves
+    # as the step ends), whose tokens this gateway does not know: neither a decode step nor a
+    # measure of this gateway's prefill. On r2 its queued prompt only waited (no first token
+    # of its ended there): the steps teach as if this gateway were alone. Taken for decode
+    # steps, the first kind raised three gateways' decode line several times over, and every
+    # rate measured against it came out too fast.
+    def feed(load: LoadTracker, name: str, others_end_prefills: bool) -> None:
+        load.dispatched(name, 0.0)
+        t, theirs = 0.0, 0
+        load.chunk(name, t)
+        for _ in range(40):
+            for step_s in (0.05, 0.05):
+                t += step_s
+                load.chunk(name, t)
+            sent_at = t - 0.01
+            load.dispatched(name, 1000.0)
+            t += 0.1  # 50 ms of decode and 50 ms of this gateway's prefill (20,000 tokens/s)
+            load.chunk(name, t)
+            load.first_token(name, 1000.0, t, dispatched_at=sent_at)
+            if others_end_prefills:  # and, they say a few milliseconds later, one of theirs
+                theirs += 1
+            load.set_remote({name: (2, 3000.0, 3000.0, theirs, -1.0)})
+
+    alone, shared = LoadTracker(), LoadTracker()
+    alone.set_remote({"r2": (2, 3000.0, 3000.0, 0, -1.0)})
+    feed(alone, "r2", others_end_prefills=False)
+    shared.set_remote({"r1": (2, 3000.0, 3000.0, 0, -1.0)})
+    feed(shared, "r1", others_end_prefills=True)
+    assert alone.steps.decode_s(3) == pytest.approx(0.05, rel=0.02)
+    assert alone.steps.rate == pytest.approx(20_000.0, rel=0.02)
+    assert alone.steps.replica_rate("r2") == pytest.approx(20_000.0, rel=0.02)
+    # r1's decode steps still teach it; its prefill steps teach nothing.
+    assert shared.steps.decode_s(3) == pytest.approx(0.05, rel=0.02)
+    assert shared.steps.rate == 0.0
+    assert shared.steps.replica_rate("r1") is None
 
 
 def test_with_other_gateways_only_decoding_a_replica_still_learns_its_speed() -> None:
-    # Other gateways' requests on every replica are only decoding: their sequences lengthen
-    # the steps alike, so the pool's rate (which prices waits in tokens) learns nothing, but
-    # each replica's own rate does, and with it the speed that tells the slow replica r2.
+    # Other gateways' requests on every replica are only decoding: no prefill of theirs ends
+    # in these steps, so each replica's own rate learns, and with it the speed that tells the
+    # slow replica r2, as does the pool's rate.
     load = LoadTracker()
     load.set_remote({name: (2, 0.0, 0.0) for name in ("r0", "r1", "r2")})
     feed_replica(load, "r0", 40, 0.05, 0.05)
     feed_replica(load, "r1", 40, 0.05, 0.05)
     feed_replica(load, "r2", 40, 0.15, 0.15)
-    assert load.steps.rate == 0.0
+    assert load.steps.rate > 0.0
     assert load.steps.replica_rate("r0") == pytest.approx(20_000.0, rel=0.02)
     assert load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
     assert load.view("r0").speed == 1.0

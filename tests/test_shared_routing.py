@@ -140,14 +140,18 @@ async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServe
         load_a = a.app.state.pool_by_name["realtime"].router.load
         router_b = b.app.state.pool_by_name["realtime"].router
         # What an attempt books on dispatch: three requests and their prefill on rt-2.
-        for _ in range(3):
-            load_a.dispatched("rt-2", 1000.0)
+        for sent_at in (1000.25, 1000.5, 1000.75):
+            load_a.dispatched("rt-2", 1000.0, sent_at)
         await eventually(lambda: router_b.load.view("rt-2").inflight == 3)
         view = router_b.load.view("rt-2")
         assert view.pending_prefill_tokens == 3000.0
         assert router_b.load.inflight.get("rt-2", 0) == 0  # not B's own to finish
-        # B's decisions see it: a cold prefix whose home is rt-2 goes elsewhere.
-        load_a.first_token("rt-2", 3000.0)
+        # When A's oldest request there was sent: B credits none of its own ahead of it.
+        assert router_b.load.remote["rt-2"][3:] == (0, 1000.25)
+        # A's first token there: B learns that a step there ended a prefill of A's.
+        load_a.first_token("rt-2", 1000.0, 1001.0, 1000.25)
+        await eventually(lambda: router_b.load.remote["rt-2"][3:] == (1, 1000.5))
+        load_a.first_token("rt-2", 2000.0)
         for _ in range(3):
             load_a.finished("rt-2", 0.0, True)
         await eventually(lambda: router_b.load.view("rt-2").inflight == 0)

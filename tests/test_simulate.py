@@ -542,12 +542,13 @@ def test_load_is_published_as_the_gateway_encodes_it_when_looked_at() -> None:
     routers, gws = _two_gateways(0.025, 0.05)
     a, b = routers
     gws.run_until(0.0)  # the first look at the load: nothing in flight
-    a.dispatched(Decision("r0", "cold", 0, 1, 300.0))
+    a.dispatched(Decision("r0", "cold", 0, 1, 300.0), 0.001)
     gws.run_until(0.049)
     assert b.load.remote == {}
     gws.run_until(0.05)  # the next look sees it changed and writes it
-    assert encode_load(a) == b'{"r0":[1,300.0,300.0]}'
-    assert b.load.remote == {"r0": (1, 300.0, 300.0)}
+    # In flight, pending, left to compute, first tokens seen, when the oldest was sent.
+    assert encode_load(a) == b'{"r0":[1,300.0,300.0,0,0.001]}'
+    assert b.load.remote == {"r0": (1, 300.0, 300.0, 0, 0.001)}
     assert b.load.view("r0").inflight == 1
 
 

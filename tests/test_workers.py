@@ -380,23 +380,24 @@ def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path
 
     a, b, c = state(), state(), state()
     la, lb, lc = (WorkerLoad(tmp_path, s, pid=pid) for s, pid in ((a, 1), (b, 2), (c, 3)))
-    for s, n in ((a, 2), (b, 1)):
-        for _ in range(n):
-            s.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0))
+    for s, sent in ((a, (10.0, 11.0)), (b, (5.0,))):
+        for at in sent:
+            s.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0), at)
     now = 1000.0
     for w in (la, lb, lc):
         w.tick(now)
     for w in (la, lb, lc):
         w._listed_at = -10.0  # list the directory again: every worker's file is there now
         w.tick(now)
-    assert c.pools[0].router.load.remote == {"replica-0": (3, 300.0, 300.0)}
-    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0)}
+    # Summed, and the oldest request of theirs (B's, sent at 5.0) is what C and A see.
+    assert c.pools[0].router.load.remote == {"replica-0": (3, 300.0, 300.0, 0, 5.0)}
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 5.0)}
     assert a.pools[0].router.load.inflight == {"replica-0": 2}  # its own stay its own
     view = c.pools[0].router.load.view("replica-0")
     assert (view.inflight, view.pending_prefill_tokens) == (3, 300.0)
     lb.remove()  # B stopped: C forgets its load at once
     lc.tick(now + 0.1)
-    assert c.pools[0].router.load.remote == {"replica-0": (2, 200.0, 200.0)}
+    assert c.pools[0].router.load.remote == {"replica-0": (2, 200.0, 200.0, 0, 10.0)}
     # A dies without a word: its file stops being rewritten, and ages out.
     lc.tick(now + lc.ttl_s + 1)
     assert c.pools[0].router.load.remote == {}
@@ -445,12 +446,12 @@ def _load_state():
         ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
 
 
-def _dispatch(state, n: int = 1) -> None:
+def _dispatch(state, n: int = 1, sent_at: float = 1000.0) -> None:
     """What a request starting in a worker does to its load (gateway/attempt.py)."""
     from routing.types import Decision
 
     for _ in range(n):
-        state.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0))
+        state.pools[0].router.dispatched(Decision("replica-0", "cold", 0, 1, 100.0), sent_at)
         state.observer.inflight("default", "replica-0", 1)
 
 
@@ -472,7 +473,7 @@ def test_idle_workers_look_at_each_others_load_once_a_second_busy_ones_every_25_
     la._listed_at = -10.0
     la.tick(1000.0)
     assert la.pause_s() == INTERVAL_S
-    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0)}
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 1000.0)}
 
 
 async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
@@ -493,7 +494,7 @@ async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
         assert a.observer.load_moved is None  # woken once; the rest costs nothing
         await eventually(la.path.exists)
         written = orjson.loads(la.path.read_bytes())["p"]
-        assert written == {"default": {"replica-0": [2, 200.0, 200.0]}}
+        assert written == {"default": {"replica-0": [2, 200.0, 200.0, 0, 1000.0]}}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
