@@ -100,11 +100,14 @@ class LoadTracker:
 
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
-        batch = self.batch(replica)
+        # As `batch`, with the others' load looked up once: this runs for every chunk relayed.
+        others = self.remote.get(replica) if self.remote else None
+        batch = self.inflight.get(replica, 0)
+        if others is not None:
+            batch += others[0]
         awaiting = self.pending_prefill.get(replica, 0.0) > 0.0
         if awaiting:
-            self._credit(replica, now, batch)
-        others = self.remote.get(replica) if self.remote else None
+            self._credit(replica, now, batch, others)
         self.steps.chunk(replica, now, batch, awaiting, others[3] if others is not None else 0)
 
     def batch(self, replica: str) -> int:
@@ -172,12 +175,11 @@ class LoadTracker:
         done = self._drain.get(replica, 0.0)
         return pending - done if done < pending else 0.0
 
-    def _credit(self, replica: str, now: float, batch: int) -> None:
+    def _credit(self, replica: str, now: float, batch: int,
+                others: RemoteLoad | None = None) -> None:
         """A step of `replica` (running `batch` sequences) ended at `now` with prefill
-        pending: credit what it computed."""
-        others = self.remote.get(replica) if self.remote else None
-        sent = self._sent.get(replica)
-        if others is not None and sent and others[4] < sent[0]:
+        pending: credit what it computed (`others`: the other gateways' load there)."""
+        if others is not None and (sent := self._sent.get(replica)) and others[4] < sent[0]:
             # Credited to this gateway's oldest request as well, three gateways' queues
             # looked about a tenth drained when they were not (tenants on the mixed fleet
             # near saturation: 8% slower than one gateway).
