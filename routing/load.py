@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import suppress
 
 from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
@@ -32,8 +31,8 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("_drain", "_first_tokens", "_order", "_sent", "inflight", "pending_prefill",
-                 "remote", "steps")
+    __slots__ = ("_drain", "_first_tokens", "_order", "inflight", "pending_prefill", "remote",
+                 "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  speed_decode_agrees: float = DECODE_AGREES) -> None:
@@ -43,10 +42,9 @@ class LoadTracker:
         self._drain: dict[str, float] = {}
         """Replica -> tokens of its oldest pending prefill that its engine has presumably
         computed: see `prefill_left`."""
-        self._order: dict[str, deque[float]] = {}
-        """Replica -> uncached tokens of its requests awaiting a first token, oldest first."""
-        self._sent: dict[str, deque[float]] = {}
-        """Replica -> when those requests were sent (`dispatched`), in the same order."""
+        self._order: dict[str, deque[tuple[float, float]]] = {}
+        """Replica -> (uncached tokens, when sent: `dispatched`) of its requests awaiting a
+        first token, oldest first."""
         self._first_tokens: dict[str, int] = {}
         """Replica -> first tokens seen there so far, told to other gateways (`own_load`)."""
         self.remote: dict[str, RemoteLoad] = {}
@@ -73,38 +71,34 @@ class LoadTracker:
                 # What is presumed computed, in steps of 16 tokens: it grows every engine step,
                 # and each change of the figure is a write to the other gateways.
                 done = (p - self.prefill_left(r)) // 16.0 * 16.0 if p > 0.0 else 0.0
-                sent = self._sent.get(r)
-                oldest = sent[0] if sent and p > 0.0 and sent[0] > -math.inf else None
+                order = self._order.get(r)
+                oldest = order[0][1] if order and p > 0.0 else -math.inf
                 out[r] = [n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
-                          None if oldest is None else round(oldest, 3)]
+                          round(oldest, 3) if oldest > -math.inf else None]
         return out
 
-    def set_remote(self, loads: Mapping[str, Sequence[float]]) -> None:
-        """Replace the other gateways' load with `loads` (`RemoteLoad`s, or their first three
-        numbers alone; replicas absent: none)."""
-        self.remote = {
-            r: (max(0, int(load[0])), max(0.0, float(load[1])), max(0.0, float(load[2])),
-                int(load[3]) if len(load) > 3 else 0,
-                float(load[4]) if len(load) > 4 else math.inf)
-            for r, load in loads.items() if load[0] > 0 or load[1] > 0}
+    def set_remote(self, loads: Mapping[str, RemoteLoad]) -> None:
+        """Replace the other gateways' load with `loads` (`sum_loads`; replicas absent:
+        none)."""
+        self.remote = {r: (max(0, int(n)), max(0.0, float(p)), max(0.0, float(left)),
+                           int(firsts), float(oldest))
+                       for r, (n, p, left, firsts, oldest) in loads.items() if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float,
                    sent_at: float | None = None) -> None:
         """A request with `uncached_tokens` to prefill was sent to `replica` at `sent_at`,
         on a clock every gateway sharing this one's state reads alike (wall-clock seconds in
         the gateway); None: unknown, as if before any other gateway's."""
-        self._order.setdefault(replica, deque()).append(uncached_tokens)
-        self._sent.setdefault(replica, deque()).append(-math.inf if sent_at is None else sent_at)
+        self._order.setdefault(replica, deque()).append(
+            (uncached_tokens, -math.inf if sent_at is None else sent_at))
         self.inflight[replica] = self.inflight.get(replica, 0) + 1
         self.pending_prefill[replica] = self.pending_prefill.get(replica, 0.0) + uncached_tokens
 
     def chunk(self, replica: str, now: float) -> None:
         """The replica streamed a chunk at `now`: one of its engine steps just ended."""
-        # As `batch`, with the others' load looked up once: this runs for every chunk relayed.
+        # The others' load looked up once for all three: this runs for every chunk relayed.
         others = self.remote.get(replica) if self.remote else None
-        batch = self.inflight.get(replica, 0)
-        if others is not None:
-            batch += others[0]
+        batch = self._batch(replica, others)
         awaiting = self.pending_prefill.get(replica, 0.0) > 0.0
         if awaiting:
             self._credit(replica, now, batch, others)
@@ -113,8 +107,10 @@ class LoadTracker:
     def batch(self, replica: str) -> int:
         """Requests in flight on the replica, this gateway's and the others' (as they last
         said): the engine's batch, which sets how long its decode steps take."""
+        return self._batch(replica, self.remote.get(replica) if self.remote else None)
+
+    def _batch(self, replica: str, others: RemoteLoad | None) -> int:
         own = self.inflight.get(replica, 0)
-        others = self.remote.get(replica) if self.remote else None
         return own + others[0] if others is not None else own
 
     def first_token(self, replica: str, uncached_tokens: float, now: float | None = None,
@@ -124,16 +120,14 @@ class LoadTracker:
         self.pending_prefill[replica] = left if left > 1e-6 else 0.0
         order = self._order.get(replica)
         if order:
-            sent = self._sent[replica]
-            if order[0] == uncached_tokens:
+            if order[0][0] == uncached_tokens:
                 order.popleft()
-                sent.popleft()
                 self._drain[replica] = 0.0  # the next oldest one is now being prefilled
-            else:
-                with suppress(ValueError):  # not sent through dispatched(): nothing to drop
-                    i = order.index(uncached_tokens)
+            else:  # the oldest of that size; none: not sent through dispatched()
+                i = next((i for i, (tokens, _) in enumerate(order) if tokens == uncached_tokens),
+                         None)
+                if i is not None:
                     del order[i]
-                    del sent[i]
         if now is not None:
             self._first_tokens[replica] = self._first_tokens.get(replica, 0) + 1
             if dispatched_at is not None:
@@ -153,7 +147,6 @@ class LoadTracker:
         self.pending_prefill.pop(replica, None)
         self._drain.pop(replica, None)
         self._order.pop(replica, None)
-        self._sent.pop(replica, None)
         self._first_tokens.pop(replica, None)
         self.steps.forget(replica)
 
@@ -179,7 +172,10 @@ class LoadTracker:
                 others: RemoteLoad | None = None) -> None:
         """A step of `replica` (running `batch` sequences) ended at `now` with prefill
         pending: credit what it computed (`others`: the other gateways' load there)."""
-        if others is not None and (sent := self._sent.get(replica)) and others[4] < sent[0]:
+        order = self._order.get(replica)
+        if not order:
+            return
+        if others is not None and others[4] < order[0][1]:
             # Credited to this gateway's oldest request as well, three gateways' queues
             # looked about a tenth drained when they were not (tenants on the mixed fleet
             # near saturation: 8% slower than one gateway).
@@ -192,9 +188,8 @@ class LoadTracker:
             return
         decode = steps.decode_s(batch) or 0.0
         extra = now - last - decode
-        order = self._order.get(replica)
-        if extra > 0.0 and order:
-            head = HEAD_CREDIT_MAX * order[0]
+        if extra > 0.0:
+            head = HEAD_CREDIT_MAX * order[0][0]
             self._drain[replica] = min(head, self._drain.get(replica, 0.0) + rate * extra)
 
     def view(self, replica: str, now: float | None = None, engine_waiting: int = 0,
@@ -236,10 +231,9 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str
     total: dict[str, RemoteLoad] = {}
     for replicas in loads:
         for replica, entry in replicas.items():
-            n, pending = int(entry[0] or 0), float(entry[1] or 0.0)
-            left = float(entry[2] if entry[2] is not None else pending) if len(entry) > 2 else (
-                pending)
-            firsts = int(entry[3] or 0) if len(entry) > 3 else 0
+            n, pending = int(entry[0]), float(entry[1])
+            left = float(entry[2]) if len(entry) > 2 else pending
+            firsts = int(entry[3]) if len(entry) > 3 else 0
             oldest = entry[4] if len(entry) > 4 and entry[4] is not None else math.inf
             n0, p0, l0, f0, o0 = total.get(replica, NO_LOAD)
             total[replica] = (n0 + n, p0 + pending, l0 + left, f0 + firsts, min(o0, oldest))

@@ -453,7 +453,6 @@ class StepTimer:
         if r is not None:
             r.last_end = r.prev_end = r.prev_start = None
             r.prev_decode_only = False
-            r.others_seen = None
 
     def forget(self, replica: str) -> None:
         """The replica left the pool: its step timing goes."""
@@ -508,7 +507,7 @@ class _Steps:
         self.left_alone = False  # the last of them left nothing of this gateway's queued
         # Other gateways' first tokens there as they said when the step in flight began, and
         # whether that count moved during the last step (one of their prefills ended in it).
-        self.others_seen: int | None = None
+        self.others_seen = 0
         self.others_ended = False
         # Uncached tokens whose prefill ended in the last step; None when the step also
         # finished a prefill that cannot be attributed to it alone.

@@ -386,7 +386,8 @@ def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
 def test_remote_load_adds_to_the_view_but_not_to_own_counts() -> None:
     router = make_router(load_factor=100.0)
     router.load.dispatched("r0", 100.0)
-    router.apply_remote_load({"r0": (3, 500.0, 500.0), "r1": (2, 0.0, 0.0), "r2": (0, 0.0, 0.0)})
+    router.apply_remote_load(sum_loads([{"r0": [3, 500.0, 500.0], "r1": [2, 0.0, 0.0],
+                                         "r2": [0, 0.0, 0.0]}]))
     v0, v1, v2 = (router.load.view(n) for n in ("r0", "r1", "r2"))
     assert (v0.inflight, v0.pending_prefill_tokens) == (4, 600.0)
     assert (v1.inflight, v1.pending_prefill_tokens) == (2, 0.0)
@@ -394,7 +395,7 @@ def test_remote_load_adds_to_the_view_but_not_to_own_counts() -> None:
     # What this gateway itself must finish (drain waits on it) is its own count only.
     assert router.load.inflight == {"r0": 1}
     # A new report replaces the previous one entirely.
-    router.apply_remote_load({"r1": (1, 10.0, 10.0)})
+    router.apply_remote_load(sum_loads([{"r1": [1, 10.0, 10.0]}]))
     assert router.load.view("r0").inflight == 1
     assert router.load.view("r1").pending_prefill_tokens == 10.0
 
@@ -404,7 +405,7 @@ def test_remote_load_pushes_new_work_elsewhere() -> None:
     text = chat_text(system_prompt(8), "a")
     home = router.route(router.request_from_text(text), idle()).replica
     # Other gateways have queued a large prefill on this router's home replica.
-    router.apply_remote_load({home: (1, 50_000.0, 50_000.0)})
+    router.apply_remote_load(sum_loads([{home: [1, 50_000.0, 50_000.0]}]))
     for i in range(10):
         req = router.request_from_text(chat_text(system_prompt(400 + i), "b"))
         views = [router.load.view(n) for n in REPLICAS]
@@ -626,7 +627,7 @@ def test_with_other_gateways_only_decoding_a_replica_still_learns_its_speed() ->
     # in these steps, so each replica's own rate learns, and with it the speed that tells the
     # slow replica r2, as does the pool's rate.
     load = LoadTracker()
-    load.set_remote({name: (2, 0.0, 0.0) for name in ("r0", "r1", "r2")})
+    load.set_remote(sum_loads([{name: [2, 0.0, 0.0] for name in ("r0", "r1", "r2")}]))
     feed_replica(load, "r0", 40, 0.05, 0.05)
     feed_replica(load, "r1", 40, 0.05, 0.05)
     feed_replica(load, "r2", 40, 0.15, 0.15)
@@ -919,7 +920,7 @@ def test_decode_steps_are_timed_at_the_engines_batch_with_other_gateways_request
     t = 0.0
     for i in range(60):
         others = 1 + abs(6 - i % 12)  # 7, 6, ... 1, 2, ... 7: the batch moves a step at a time
-        load.set_remote({"r0": (others, 0.0, 0.0)})
+        load.set_remote(sum_loads([{"r0": [others, 0.0, 0.0]}]))
         t += 0.01 * (1 + others)
         load.chunk("r0", t)  # a step of 1 + others sequences ends
     assert load.batch("r0") == 1 + 1 + abs(6 - 59 % 12)
