@@ -12,6 +12,7 @@ import pytest
 from backends.sim.prompt import estimate_tokens
 from loadtests.experiments.stress_trace import main as write_stress_trace
 from loadtests.experiments.stress_trace import stress_trace
+from loadtests.experiments.workload_trace import main as write_workload_trace
 from loadtests.traces import (
     BLOCK_TOKENS,
     TraceRequest,
@@ -213,3 +214,22 @@ def test_stress_workload_is_the_stress_trace() -> None:
     rows = stress_trace(50, 2.0, 3000.0, 343.0, 0.5, seed=4)
     assert [(r.timestamp_s, r.input_tokens, r.hash_ids) for r in reqs] == [
         (row["timestamp"] / 1000, row["input_length"], tuple(row["hash_ids"])) for row in rows]
+
+
+def test_a_workload_written_as_a_trace_reads_back_without_its_sessions(tmp_path: Path) -> None:
+    out = tmp_path / "agent.jsonl"
+    params = ["n_sessions=20", "turns_mean=5", "think_time_s=15", "seed=3"]
+    argv = ["--workload", "conversation", "--out", str(out)]
+    for p in params:
+        argv += ["--workload-param", p]
+    assert write_workload_trace(argv) == 0
+    built = conversation_workload(n_sessions=20, turns_mean=5.0, think_time_s=15.0, seed=3)
+    read = load_trace(out)
+    # The same requests in the same order, to the millisecond, and nothing that names a
+    # session: a router replaying the file sees what an unseen trace would give it.
+    assert [(round(r.timestamp_s * 1000), r.input_tokens, r.output_tokens, r.hash_ids)
+            for r in built] == [(round(r.timestamp_s * 1000), r.input_tokens, r.output_tokens,
+                                 r.hash_ids) for r in read]
+    assert {r.session for r in built} != {""}
+    assert {r.session for r in read} == {""}
+    assert "session" not in out.read_text()
