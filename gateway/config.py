@@ -75,6 +75,12 @@ class RoutingSettings(BaseModel):
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )
+    pin_running: bool = Field(
+        True, description="keep a running request's prefix in its replica's index from its "
+        "first token until it finishes, on top of the index's capacity, as the engine keeps "
+        "its KV blocks: the index does not forget contexts the engine is still computing (a "
+        "queue past saturation, long answers)"
+    )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(
         "chars", description="hash character blocks, or the engine's own tokens (vLLM tokenises)"

@@ -18,6 +18,7 @@ def build_router(routing: RoutingSettings) -> Router:
         key_blocks=routing.key_blocks,
         prefill_tokens_per_s=routing.prefill_tokens_per_s,
         speed_decode_agrees=routing.speed_decode_agrees,
+        pin_running=routing.pin_running,
     )
 
 

@@ -325,7 +325,8 @@ def run_pool(
                         index_capacity_blocks=settings.index_capacity_blocks,
                         key_blocks=settings.key_blocks,
                         prefill_tokens_per_s=settings.prefill_tokens_per_s,
-                        speed_decode_agrees=settings.speed_decode_agrees)
+                        speed_decode_agrees=settings.speed_decode_agrees,
+                        pin_running=settings.pin_running)
         for n in names:
             router.resize_index(n, index_blocks)
         return router

@@ -1,4 +1,4 @@
-"""Per-replica record of which prefix blocks were recently sent there (bounded LRU)."""
+"""Per-replica record of which prefix blocks were recently sent there (bounded LRU, pins)."""
 
 from __future__ import annotations
 
@@ -13,34 +13,43 @@ class PrefixIndex:
     block once `capacity_blocks` is reached, so it forgets roughly when the engine would. Because
     hashes are chained, a prefix of length k is present iff its k-th hash is present; matching
     walks forward and stops at the first absent block.
+
+    Blocks of requests still running there can be pinned (`pin`, `unpin`), as an engine pins
+    the KV blocks of the sequences it is computing: never evicted, and back as the most recent
+    when the last request holding them ends. Without pins, a replica with requests that run
+    for minutes (a queue past saturation, long answers) is believed to have forgotten the very
+    contexts it is computing. Pinned blocks are kept on top of the capacity, not in it: the
+    LRU part already holds the blocks of requests still queued, which the engine does not hold
+    yet, and charging both to one capacity made the index forget far more than the engine did.
     """
 
-    __slots__ = ("_blocks", "capacity_blocks")
+    __slots__ = ("_blocks", "_pinned", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # unpinned, least recent first
+        self._pinned: dict[int, int] = {}  # block -> running requests holding it
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._pinned)
 
     def match(self, hashes: Sequence[int]) -> int:
         """Number of leading blocks of `hashes` present (no side effects)."""
-        blocks = self._blocks
+        blocks, pinned = self._blocks, self._pinned
         # Binary search is valid because presence is prefix-closed for chained hashes, except
         # after partial eviction of a chain's middle; a linear walk is exact and cheap enough.
         n = 0
         for h in hashes:
-            if h not in blocks:
+            if h not in blocks and h not in pinned:
                 break
             n += 1
         return n
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Record that `hashes` were sent to this replica, refreshing their recency."""
-        blocks = self._blocks
+        blocks, pinned = self._blocks, self._pinned
         move = blocks.move_to_end
         # Touch the chain tail first so its head ends up most recent: eviction from the front
         # then removes a chain's tail before its head, as an engine's LRU does (a head without
@@ -48,18 +57,49 @@ class PrefixIndex:
         for h in reversed(hashes):
             if h in blocks:
                 move(h)
-            else:
+            elif h not in pinned:
                 blocks[h] = None
+        self._evict()
+
+    def pin(self, hashes: Sequence[int]) -> None:
+        """A request holding `hashes` is running there: keep them until `unpin`."""
+        blocks, pinned = self._blocks, self._pinned
+        for h in hashes:
+            held = pinned.get(h)
+            if held:
+                pinned[h] = held + 1
+            else:
+                blocks.pop(h, None)
+                pinned[h] = 1
+        self._evict()
+
+    def unpin(self, hashes: Sequence[int]) -> None:
+        """That request ended: its blocks are evictable again, the most recent, tail first."""
+        blocks, pinned = self._blocks, self._pinned
+        for h in reversed(hashes):
+            held = pinned.get(h)
+            if held is None:
+                continue  # never pinned in this index (the replica was removed and re-added)
+            if held > 1:
+                pinned[h] = held - 1
+            else:
+                del pinned[h]
+                blocks[h] = None
+        self._evict()
+
+    def _evict(self) -> None:
+        blocks = self._blocks
         overflow = len(blocks) - self.capacity_blocks
         if overflow > 0:
             pop = blocks.popitem
-            for _ in range(overflow):
+            for _ in range(min(overflow, len(blocks))):
                 pop(last=False)
 
     def resize(self, capacity_blocks: int) -> None:
         """Change capacity (e.g. once the engine reports its real KV cache size)."""
         self.capacity_blocks = max(1, capacity_blocks)
-        self.insert(())
+        self._evict()
 
     def clear(self) -> None:
+        """Forget every block not pinned (an engine's cache reset keeps what is running)."""
         self._blocks.clear()

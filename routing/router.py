@@ -36,6 +36,7 @@ class Router:
         key_blocks: int = 1,
         prefill_tokens_per_s: float | None = None,
         speed_decode_agrees: float = DECODE_AGREES,
+        pin_running: bool = True,
     ) -> None:
         self.policy = policy
         # Most policies ignore these hooks: skip the calls (several a request) when they do.
@@ -46,6 +47,7 @@ class Router:
         self.chars_per_token = chars_per_token
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
+        self.pin_running = pin_running
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees)
         self.indexes: dict[str, PrefixIndex] = {}
         self.on_record: Callable[[str, Sequence[int], float], None] | None = None
@@ -120,6 +122,7 @@ class Router:
         if not replicas:
             raise ValueError("no replica to route to")
         decision = self.policy.choose(request, replicas, self)
+        decision.hashes = request.hashes
         self.record(decision.replica, request.hashes, decision.uncached_tokens)
         self.policy.on_routed(request, decision)
         return decision
@@ -130,6 +133,7 @@ class Router:
         # Matched before recording, as for a first choice: what the replica holds already.
         decision = decide(request, self, replica, REASON_RETRY,
                           [n for n in previous.fallbacks if n != replica])
+        decision.hashes = request.hashes
         self.record(replica, request.hashes, decision.uncached_tokens)
         self.policy.on_routed(request, decision)
         return decision
@@ -203,14 +207,23 @@ class Router:
         self.load.chunk(replica, now)
 
     def first_token(self, decision: Decision, now: float, sent_at: float) -> None:
-        """The request's first content token arrived at `now`; it was sent at `sent_at`."""
+        """The request's first content token arrived at `now`; it was sent at `sent_at`. From
+        now until it finishes its engine holds its prompt's blocks (`pin_running`)."""
         self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at)
+        if self.pin_running and decision.hashes:
+            index = self.indexes.get(decision.replica)
+            if index is not None:
+                index.pin(decision.hashes)
         if self._tell_load:
             self._load_update(decision.replica)
 
     def finished(self, decision: Decision, saw_first_token: bool) -> None:
         """The attempt `decision` ended (answered, failed or abandoned)."""
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
+        if self.pin_running and saw_first_token and decision.hashes:
+            index = self.indexes.get(decision.replica)
+            if index is not None:
+                index.unpin(decision.hashes)
         if self._tell_finished:
             self.policy.on_finished(decision, saw_first_token)
         if self._tell_load:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -57,6 +58,9 @@ class Decision:
     uncached_tokens: float
     fallbacks: list[str] = field(default_factory=list)
     """Other replicas in order of preference, for a retry before the first byte."""
+    hashes: Sequence[int] = ()
+    """The request's prefix blocks, which the router pins in the replica's index while the
+    request runs there (set by `Router.route` and `Router.reroute`)."""
 
     @property
     def matched_fraction(self) -> float:

@@ -75,6 +75,54 @@ def test_prefix_index_lru_evicts_chain_tails_first() -> None:
     assert len(index) == 4
 
 
+def test_prefix_index_keeps_pinned_blocks_until_the_last_unpin() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    running = [1, 2, 3]
+    index.insert(running)
+    index.pin(running)
+    index.pin(running)  # two requests running on the same prefix
+    index.insert([10, 11, 12, 13])
+    # The LRU holds the newer chain whole; the pinned chain is not evicted to make room.
+    assert index.match(running) == 3
+    assert index.match([10, 11, 12, 13]) == 4
+    index.unpin(running)
+    index.insert([20, 21, 22, 23])
+    assert index.match(running) == 3  # one request still holds it
+    assert index.match([10, 11, 12, 13]) == 0
+    index.unpin(running)
+    # Released as the most recent, tail first: a newer chain evicts its tail before its head.
+    index.insert([30, 31])
+    assert index.match(running) == 2
+    assert index.match([20, 21, 22, 23]) == 0
+    assert len(index) == 4
+
+
+def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes() -> None:
+    def flood(router: Router, n: int) -> None:
+        for i in range(n):
+            router.route(router.request_from_text(chat_text(system_prompt(100 + i), "q")),
+                         [ReplicaView(name="r0")])
+
+    for pin in (True, False):
+        router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
+                        index_capacity_blocks=64, pin_running=pin)
+        long_context = router.request_from_text(chat_text(system_prompt(1), "turn 1"))
+        decision = router.route(long_context, [ReplicaView(name="r0")])
+        router.dispatched(decision, 0.0)
+        router.first_token(decision, 1.0, 0.0)
+        # Other conversations sent there meanwhile fill the index several times over.
+        flood(router, 8)
+        held = router.matched_blocks("r0", long_context.hashes)
+        if pin:
+            # The engine is still computing this context: its blocks are in use and stay.
+            assert held == len(long_context.hashes)
+            router.finished(decision, True)
+            flood(router, 8)
+            assert router.matched_blocks("r0", long_context.hashes) == 0
+        else:
+            assert held == 0
+
+
 def test_identical_prefixes_go_to_the_same_replica() -> None:
     router = make_router()
     sys_prompt = system_prompt(1)
