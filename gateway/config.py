@@ -76,10 +76,10 @@ class RoutingSettings(BaseModel):
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )
     pin_running: bool = Field(
-        True, description="keep a running request's prefix in its replica's index from its "
-        "first token until it finishes, on top of the index's capacity, as the engine keeps "
-        "its KV blocks: the index does not forget contexts the engine is still computing (a "
-        "queue past saturation, long answers)"
+        True, description="account in each replica's prefix index as its engine does: a "
+        "running request's prefix is pinned from its first token until it finishes (the "
+        "engine keeps those KV blocks), and the prefill still queued there gets room (the "
+        "engine holds none of it yet); false: a plain LRU over what was sent"
     )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(

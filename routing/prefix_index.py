@@ -14,16 +14,16 @@ class PrefixIndex:
     hashes are chained, a prefix of length k is present iff its k-th hash is present; matching
     walks forward and stops at the first absent block.
 
-    Blocks of requests still running there can be pinned (`pin`, `unpin`), as an engine pins
-    the KV blocks of the sequences it is computing: never evicted, and back as the most recent
-    when the last request holding them ends. Without pins, a replica with requests that run
-    for minutes (a queue past saturation, long answers) is believed to have forgotten the very
-    contexts it is computing. Pinned blocks are kept on top of the capacity, not in it: the
-    LRU part already holds the blocks of requests still queued, which the engine does not hold
-    yet, and charging both to one capacity made the index forget far more than the engine did.
+    The engine's own accounting, optionally (the router's `pin_running`):
+    - blocks of requests still running there can be pinned (`pin`, `unpin`), as an engine pins
+      the KV blocks of the sequences it computes: never evicted, and back as the most recent
+      when the last request holding them ends;
+    - `room` blocks of the capacity are lent to blocks sent but not computed yet (the prefill
+      queued there): the index holds them from the moment they are sent, the engine only once
+      it computes them, and without the loan they would push out blocks the engine still has.
     """
 
-    __slots__ = ("_blocks", "_pinned", "capacity_blocks")
+    __slots__ = ("_blocks", "_pinned", "capacity_blocks", "room")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
@@ -31,6 +31,7 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()  # unpinned, least recent first
         self._pinned: dict[int, int] = {}  # block -> running requests holding it
+        self.room = 0
 
     def __len__(self) -> int:
         return len(self._blocks) + len(self._pinned)
@@ -71,7 +72,7 @@ class PrefixIndex:
             else:
                 blocks.pop(h, None)
                 pinned[h] = 1
-        self._evict()
+        self._evict()  # a block pinned after the index let it go counts again
 
     def unpin(self, hashes: Sequence[int]) -> None:
         """That request ended: its blocks are evictable again, the most recent, tail first."""
@@ -89,7 +90,7 @@ class PrefixIndex:
 
     def _evict(self) -> None:
         blocks = self._blocks
-        overflow = len(blocks) - self.capacity_blocks
+        overflow = len(blocks) + len(self._pinned) - self.capacity_blocks - self.room
         if overflow > 0:
             pop = blocks.popitem
             for _ in range(min(overflow, len(blocks))):

@@ -143,6 +143,11 @@ class Router:
         of prefill (route and reroute do this)."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
+            if self.pin_running:
+                # This request's uncached blocks and those queued before it are not in the
+                # engine yet: room for them, so they do not push out what it holds.
+                index.room = int((self.load.pending_prefill.get(replica, 0.0) + uncached_tokens)
+                                 * self.chars_per_token / self.block_chars)
             index.insert(hashes)
             if self.on_record is not None:
                 self.on_record(replica, hashes, uncached_tokens)

@@ -82,9 +82,10 @@ def test_prefix_index_keeps_pinned_blocks_until_the_last_unpin() -> None:
     index.pin(running)
     index.pin(running)  # two requests running on the same prefix
     index.insert([10, 11, 12, 13])
-    # The LRU holds the newer chain whole; the pinned chain is not evicted to make room.
+    # Pinned blocks take their share of the capacity, as in the engine, and are not evicted:
+    # of the newer chain only its head fits beside them.
     assert index.match(running) == 3
-    assert index.match([10, 11, 12, 13]) == 4
+    assert index.match([10, 11, 12, 13]) == 1
     index.unpin(running)
     index.insert([20, 21, 22, 23])
     assert index.match(running) == 3  # one request still holds it
@@ -94,6 +95,18 @@ def test_prefix_index_keeps_pinned_blocks_until_the_last_unpin() -> None:
     index.insert([30, 31])
     assert index.match(running) == 2
     assert index.match([20, 21, 22, 23]) == 0
+    assert len(index) == 4
+
+
+def test_prefix_index_lends_room_to_blocks_not_computed_yet() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    index.insert([1, 2, 3, 4])
+    index.room = 2  # two blocks sent there are still queued: the engine does not hold them
+    index.insert([10, 11])
+    assert index.match([1, 2, 3, 4]) == 4 and index.match([10, 11]) == 2
+    index.room = 0  # computed: now they push out the oldest
+    index.insert([])
+    assert index.match([10, 11]) == 2 and index.match([1, 2, 3, 4]) == 2
     assert len(index) == 4
 
 
@@ -121,6 +134,25 @@ def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes
             assert router.matched_blocks("r0", long_context.hashes) == 0
         else:
             assert held == 0
+
+
+def test_prefill_still_queued_does_not_push_out_what_the_engine_holds() -> None:
+    for pin in (True, False):
+        router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
+                        index_capacity_blocks=64, pin_running=pin)
+        answered = router.request_from_text(chat_text(system_prompt(1), "q"))
+        d = router.route(answered, [ReplicaView(name="r0")])
+        router.dispatched(d, 0.0)
+        router.first_token(d, 1.0, 0.0)
+        router.finished(d, True)
+        # Six other prompts sent and still queued there: the engine has not computed them,
+        # so they have not evicted anything from its cache yet.
+        for i in range(6):
+            queued = router.route(router.request_from_text(chat_text(system_prompt(200 + i), "q")),
+                                  [ReplicaView(name="r0")])
+            router.dispatched(queued, 2.0)
+        held = router.matched_blocks("r0", answered.hashes)
+        assert held == (len(answered.hashes) if pin else 0)
 
 
 def test_identical_prefixes_go_to_the_same_replica() -> None:

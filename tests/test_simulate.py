@@ -8,7 +8,14 @@ import pytest
 
 from gateway.config import RoutingSettings
 from loadtests.reference_policies import SGLangCacheAware
-from loadtests.simulate import REPORT_KEYS, Workload, load_workload, main, simulate
+from loadtests.simulate import (
+    REPORT_KEYS,
+    Workload,
+    load_workload,
+    main,
+    settings_for,
+    simulate,
+)
 from loadtests.traces import tenants_workload
 from routing import Router
 from routing.types import ReplicaView
@@ -463,11 +470,13 @@ def test_the_shadow_of_one_gateway_picks_what_it_picked() -> None:
     from loadtests.simulate import run_pool
     from loadtests.traces import agreement_figures, shadow_agreement
 
-    # Small caches: the gateway's index evicts, so the agreement figure counts misses.
+    # Small caches: the gateway's index evicts, so the agreement figure counts misses. (With
+    # pin_running the index lends room to the deep queue this rate builds and evicts little.)
     workload = load_workload(workload="tenants", params={
         "n_tenants": 60, "n_requests": 300, "rate_per_s": 40})
     run = run_pool(workload, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 4,
-                   kv_capacity_tokens=64_000, shadow=True)
+                   kv_capacity_tokens=64_000, shadow=True,
+                   settings=settings_for("prefix_affinity", {"pin_running": False}))
     served = [run.names[i] if i >= 0 else None for i in run.replica_of]
     assert run.shadow is not None
     assert all(s is not None for s in served)
