@@ -76,10 +76,11 @@ class RoutingSettings(BaseModel):
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )
     pin_running: bool = Field(
-        True, description="account in each replica's prefix index as its engine does: a "
+        False, description="account in each replica's prefix index as its engine does: a "
         "running request's prefix is pinned from its first token until it finishes (the "
         "engine keeps those KV blocks), and the prefill still queued there gets room (the "
-        "engine holds none of it yet); false: a plain LRU over what was sent"
+        "engine holds none of it yet); false: a plain LRU over what was sent. For one "
+        "gateway per pool: gateways sharing routing state do not share their pins yet"
     )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(

@@ -308,23 +308,31 @@ def ablation(jobs: int) -> int:
 COMPARE_POLICIES = ("least_load", "oracle")
 
 
-def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int) -> int:
-    """prefix_affinity at the defaults and with `before` set, against the oracle and
-    least_load, on each scenario: the before/after ratio table."""
+def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
+            after: dict[str, Any] | None = None) -> int:
+    """prefix_affinity with `before` set and at the defaults (or with `after` set), against
+    the oracle and least_load at the defaults, on each scenario: the before/after table."""
     frozen = tuple(sorted(before.items()))
-    work: list[Any] = [(sc, p) for sc in chosen for p in ("prefix_affinity", *COMPARE_POLICIES)]
+    frozen_after = tuple(sorted((after or {}).items()))
+    work: list[Any] = [(sc, p) for sc in chosen for p in COMPARE_POLICIES]
+    work += [(sc, "prefix_affinity", frozen_after) if frozen_after else (sc, "prefix_affinity")
+             for sc in chosen]
+    labels = [p for _sc, p, *_rest in work]
     work += [(sc, "prefix_affinity", frozen) for sc in chosen]
+    labels += ["before"] * len(chosen)
     res: dict[tuple[Scenario, str], dict[str, Any]] = {}
     with Pool(max(1, jobs)) as pool:
-        for job, (sc, policy, report, wall) in zip(work, pool.imap(_run, work), strict=True):
-            label = "before" if len(job) > 2 else policy
+        for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
             res[(sc, label)] = report
             print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
                   f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
     setting = ", ".join(f"{k}={v}" for k, v in frozen)
-    print(f"prefix_affinity before ({setting}) and after (defaults); "
-          f"`python -m loadtests.scoreboard --compare {' '.join(f'{k}={v}' for k, v in frozen)}`"
-          "\n")
+    after_setting = ", ".join(f"{k}={v}" for k, v in frozen_after) or "defaults"
+    command = f"--compare {' '.join(f'{k}={v}' for k, v in frozen)}"
+    if frozen_after:
+        command += f" --after {' '.join(f'{k}={v}' for k, v in frozen_after)}"
+    print(f"prefix_affinity before ({setting}) and after ({after_setting}); "
+          f"`python -m loadtests.scoreboard {command}`\n")
     print("| set | workload | replicas | load | before s | after s | oracle s | before / oracle "
           "| after / oracle | after / least_load | after hit | oracle hit | co-batching bound s |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -356,14 +364,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE", type=key_value,
                     help="prefix_affinity with these settings (before) against its defaults "
                          "(after), the oracle and least_load")
+    ap.add_argument("--after", nargs="+", metavar="KEY=VALUE", type=key_value, default=[],
+                    help="with --compare: these settings for the after run, not the defaults")
     args = ap.parse_args(argv)
+    if args.after and not args.compare:
+        ap.error("--after goes with --compare")
     if args.ablation:
         return ablation(args.jobs)
     chosen = [sc for sc in SCENARIOS if args.only in sc.key
               and (not args.replicas or sc.replicas == args.replicas)
               and (args.which is None or sc.held_out == (args.which == "held-out"))]
     if args.compare:
-        return compare(chosen, dict(args.compare), args.jobs)
+        return compare(chosen, dict(args.compare), args.jobs, dict(args.after))
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
     results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
     t0 = time.perf_counter()

@@ -36,7 +36,7 @@ class Router:
         key_blocks: int = 1,
         prefill_tokens_per_s: float | None = None,
         speed_decode_agrees: float = DECODE_AGREES,
-        pin_running: bool = True,
+        pin_running: bool = False,
     ) -> None:
         self.policy = policy
         # Most policies ignore these hooks: skip the calls (several a request) when they do.
@@ -144,10 +144,16 @@ class Router:
         index = self.indexes.get(replica)
         if index is not None and hashes:
             if self.pin_running:
-                # This request's uncached blocks and those queued before it are not in the
+                # This request's uncached blocks and those queued before it, by this gateway
+                # and by the others whose decisions this index holds too, are not in the
                 # engine yet: room for them, so they do not push out what it holds.
-                index.room = int((self.load.pending_prefill.get(replica, 0.0) + uncached_tokens)
-                                 * self.chars_per_token / self.block_chars)
+                load = self.load
+                queued = load.pending_prefill.get(replica, 0.0) + uncached_tokens
+                if load.remote:
+                    others = load.remote.get(replica)
+                    if others is not None:
+                        queued += others[1]
+                index.room = int(queued * self.chars_per_token / self.block_chars)
             index.insert(hashes)
             if self.on_record is not None:
                 self.on_record(replica, hashes, uncached_tokens)

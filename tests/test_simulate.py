@@ -667,3 +667,21 @@ def test_three_gateways_on_a_mixed_fleet_each_learn_the_slow_replicas() -> None:
     for router in run.routers:
         speeds = [router.load.view(name).speed for name in run.names]
         assert min(speeds[:2]) > 3 * max(speeds[2:]), speeds
+
+
+def test_the_scoreboard_compares_two_settings_when_asked_for_an_after(capsys) -> None:
+    from loadtests.scoreboard import main as scoreboard
+
+    with pytest.raises(SystemExit) as exc:
+        scoreboard(["--after", "pin_running=true"])
+    assert exc.value.code == 2
+    assert "--after goes with --compare" in capsys.readouterr().err
+    # One small cell: the before and after runs take their own settings, and the table's
+    # heading says which and how to run it again.
+    assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning",
+                       "--compare", "load_factor=1.25", "--after", "load_factor=4",
+                       "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "before (load_factor=1.25) and after (load_factor=4)" in out
+    assert "--compare load_factor=1.25 --after load_factor=4`" in out
+    assert out.count("| tuning | multi_turn on the slow fleet |") == 1
