@@ -59,6 +59,15 @@ class TraceRequest:
         return max(1, self.input_tokens - BLOCK_TOKENS * (len(self.hash_ids) - 1))
 
 
+def write_mooncake(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> str:
+    """Write Mooncake-format rows as JSONL; returns a one-line account of what was written."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    span = rows[-1]["timestamp"] / 1000 if rows else 0.0
+    return f"wrote {len(rows)} requests over {span:.0f} s to {path}"
+
+
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake-format JSONL trace (timestamp in ms), sorted by time.
 

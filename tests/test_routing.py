@@ -18,6 +18,7 @@ from routing.types import (
     REASON_OVERFLOW,
     Decision,
     ReplicaView,
+    RoutingRequest,
 )
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
@@ -110,6 +111,20 @@ def test_prefix_index_lends_room_to_blocks_not_computed_yet() -> None:
     assert len(index) == 4
 
 
+def one_small_replica(pin_running: bool) -> Router:
+    return Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
+                  index_capacity_blocks=64, pin_running=pin_running)
+
+
+def route_and_start(router: Router, text: str) -> tuple[RoutingRequest, Decision]:
+    """Route `text` to the one replica, send it and see its first token."""
+    request = router.request_from_text(text)
+    decision = router.route(request, [ReplicaView(name="r0")])
+    router.dispatched(decision, 0.0)
+    router.first_token(decision, 1.0, 0.0)
+    return request, decision
+
+
 def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes() -> None:
     def flood(router: Router, n: int) -> None:
         for i in range(n):
@@ -117,12 +132,8 @@ def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes
                          [ReplicaView(name="r0")])
 
     for pin in (True, False):
-        router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
-                        index_capacity_blocks=64, pin_running=pin)
-        long_context = router.request_from_text(chat_text(system_prompt(1), "turn 1"))
-        decision = router.route(long_context, [ReplicaView(name="r0")])
-        router.dispatched(decision, 0.0)
-        router.first_token(decision, 1.0, 0.0)
+        router = one_small_replica(pin)
+        long_context, decision = route_and_start(router, chat_text(system_prompt(1), "turn 1"))
         # Other conversations sent there meanwhile fill the index several times over.
         flood(router, 8)
         held = router.matched_blocks("r0", long_context.hashes)
@@ -138,12 +149,8 @@ def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes
 
 def test_prefill_still_queued_does_not_push_out_what_the_engine_holds() -> None:
     for pin in (True, False):
-        router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
-                        index_capacity_blocks=64, pin_running=pin)
-        answered = router.request_from_text(chat_text(system_prompt(1), "q"))
-        d = router.route(answered, [ReplicaView(name="r0")])
-        router.dispatched(d, 0.0)
-        router.first_token(d, 1.0, 0.0)
+        router = one_small_replica(pin)
+        answered, d = route_and_start(router, chat_text(system_prompt(1), "q"))
         router.finished(d, True)
         # Six other prompts sent and still queued there: the engine has not computed them,
         # so they have not evicted anything from its cache yet.

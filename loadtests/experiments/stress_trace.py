@@ -13,13 +13,12 @@ so that how long a replay of them takes can be measured without them:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
 from collections.abc import Sequence
 
-from loadtests.traces import BLOCK_TOKENS
+from loadtests.traces import BLOCK_TOKENS, write_mooncake
 
 
 def stress_trace(n_requests: int, rate_per_s: float, input_mean: float, output_mean: float,
@@ -69,10 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--reuse is a share, between 0 and 1")
     rows = stress_trace(args.requests, args.rate, args.input_mean, args.output_mean,
                         args.reuse, args.output_fixed, args.seed)
-    with open(args.out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} requests over {rows[-1]['timestamp'] / 1000:.0f} s to {args.out}")
+    print(write_mooncake(args.out, rows))
     return 0
 
 

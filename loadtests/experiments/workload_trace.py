@@ -12,12 +12,11 @@ the reports. Replayed with `--trace`, a workload then reaches the simulator, `re
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterable, Sequence
 
 from loadtests.settings import add_workload_param
-from loadtests.traces import SYNTHETIC, TraceRequest, synthetic_workload
+from loadtests.traces import SYNTHETIC, TraceRequest, synthetic_workload, write_mooncake
 
 
 def mooncake_rows(requests: Iterable[TraceRequest]) -> list[dict]:
@@ -36,10 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = mooncake_rows(synthetic_workload(args.workload, dict(args.workload_param)))
     if not rows:
         ap.error("the workload has no requests with these parameters")
-    with open(args.out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} requests over {rows[-1]['timestamp'] / 1000:.0f} s to {args.out}")
+    print(write_mooncake(args.out, rows))
     return 0
 
 
