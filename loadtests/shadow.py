@@ -52,9 +52,7 @@ class Shadow:
                               for name in router.indexes), default=0) if request.hashes else 0
         told = pick if pick.replica == real.replica else decide(
             request, router, real.replica, real.reason, [])
-        told.hashes = request.hashes  # pinned while it runs, as Router.route would
-        router.record(told.replica, request.hashes, told.uncached_tokens)
-        router.policy.on_routed(request, told)
+        router.commit(request, told)
         self.picks[rid] = pick.replica
         self.matched[rid] = (pick.matched_blocks, told.matched_blocks)
         self._told[rid] = told

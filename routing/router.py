@@ -122,9 +122,7 @@ class Router:
         if not replicas:
             raise ValueError("no replica to route to")
         decision = self.policy.choose(request, replicas, self)
-        decision.hashes = request.hashes
-        self.record(decision.replica, request.hashes, decision.uncached_tokens)
-        self.policy.on_routed(request, decision)
+        self.commit(request, decision)
         return decision
 
     def reroute(self, request: RoutingRequest, previous: Decision, replica: str) -> Decision:
@@ -133,27 +131,36 @@ class Router:
         # Matched before recording, as for a first choice: what the replica holds already.
         decision = decide(request, self, replica, REASON_RETRY,
                           [n for n in previous.fallbacks if n != replica])
-        decision.hashes = request.hashes
-        self.record(replica, request.hashes, decision.uncached_tokens)
-        self.policy.on_routed(request, decision)
+        self.commit(request, decision)
         return decision
 
-    def record(self, replica: str, hashes: Sequence[int], uncached_tokens: float = 0.0) -> None:
+    def commit(self, request: RoutingRequest, decision: Decision) -> None:
+        """`request` goes as `decision` says: the decision carries its blocks (pinned while
+        it runs, with `pin_running`), the replica's index records them, the policy is told."""
+        decision.hashes = request.hashes
+        self.record(decision.replica, request.hashes, decision.uncached_tokens,
+                    request.block_tokens)
+        self.policy.on_routed(request, decision)
+
+    def record(self, replica: str, hashes: Sequence[int], uncached_tokens: float = 0.0,
+               block_tokens: float = 0.0) -> None:
         """Note that `replica` now holds the prefix `hashes`, which cost it `uncached_tokens`
-        of prefill (route and reroute do this)."""
+        of prefill (`commit` does this); `block_tokens`, the tokens in one of those blocks,
+        sizes the room `pin_running` lends to prefill not computed yet (0: none)."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
-            if self.pin_running:
+            if self.pin_running and block_tokens > 0.0:
                 # This request's uncached blocks and those queued before it, by this gateway
                 # and by the others whose decisions this index holds too, are not in the
-                # engine yet: room for them, so they do not push out what it holds.
+                # engine yet: room for them, so they do not push out what it holds. In the
+                # request's own blocks: characters or the engine's tokens, as it was hashed.
                 load = self.load
                 queued = load.pending_prefill.get(replica, 0.0) + uncached_tokens
                 if load.remote:
                     others = load.remote.get(replica)
                     if others is not None:
                         queued += others[1]
-                index.room = int(queued * self.chars_per_token / self.block_chars)
+                index.room = int(queued / block_tokens)
             index.insert(hashes)
             if self.on_record is not None:
                 self.on_record(replica, hashes, uncached_tokens)

@@ -162,6 +162,26 @@ def test_prefill_still_queued_does_not_push_out_what_the_engine_holds() -> None:
         assert held == (len(answered.hashes) if pin else 0)
 
 
+def test_the_room_for_queued_prefill_is_counted_in_the_requests_own_blocks() -> None:
+    # Hashed on the engine's tokens (16 per block), not on characters: the room lent to the
+    # prefill still queued is that many blocks, not the characters' count of them.
+    router = Router(["r0"], build_policy("prefix_affinity", {}), index_capacity_blocks=64,
+                    pin_running=True)
+    view = [ReplicaView(name="r0")]
+
+    def tokens_request(first: int) -> RoutingRequest:
+        return router.request_from_hashes(list(range(first, first + 16)), 256.0, 16.0)
+
+    answered = tokens_request(0)
+    d = router.route(answered, view)
+    router.dispatched(d, 0.0)
+    router.first_token(d, 1.0, 0.0)
+    router.finished(d, True)
+    for i in range(1, 7):  # 96 more blocks sent there, none computed yet
+        router.dispatched(router.route(tokens_request(1000 * i), view), 2.0)
+    assert router.matched_blocks("r0", answered.hashes) == 16
+
+
 def test_identical_prefixes_go_to_the_same_replica() -> None:
     router = make_router()
     sys_prompt = system_prompt(1)

@@ -670,18 +670,30 @@ def test_three_gateways_on_a_mixed_fleet_each_learn_the_slow_replicas() -> None:
 
 
 def test_the_scoreboard_compares_two_settings_when_asked_for_an_after(capsys) -> None:
+    from loadtests.scoreboard import SCENARIOS
     from loadtests.scoreboard import main as scoreboard
 
     with pytest.raises(SystemExit) as exc:
         scoreboard(["--after", "pin_running=true"])
     assert exc.value.code == 2
     assert "--after goes with --compare" in capsys.readouterr().err
-    # One small cell: the before and after runs take their own settings, and the table's
-    # heading says which and how to run it again.
+    # One small cell, the same setting before and after: the two runs agree only if the after
+    # run takes it (at the defaults, load_factor=1.25, this cell's mean differs), and the
+    # heading says which settings and how to run it again.
     assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning",
-                       "--compare", "load_factor=1.25", "--after", "load_factor=4",
+                       "--compare", "load_factor=4", "--after", "load_factor=4",
                        "--jobs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "before (load_factor=1.25) and after (load_factor=4)" in out
-    assert "--compare load_factor=1.25 --after load_factor=4`" in out
-    assert out.count("| tuning | multi_turn on the slow fleet |") == 1
+    assert "before (load_factor=4) and after (load_factor=4)" in out
+    assert "--compare load_factor=4 --after load_factor=4`" in out
+    rows = [line.split("|") for line in out.splitlines()
+            if line.startswith("| tuning | multi_turn on the slow fleet |")]
+    assert len(rows) == 1
+    before_s, after_s = rows[0][5].strip(), rows[0][6].strip()
+    assert before_s == after_s
+    sc = next(sc for sc in SCENARIOS if sc.key == "slow:multi_turn" and not sc.held_out)
+    defaults = simulate(load_workload(None, sc.workload, speedup=sc.speedup,
+                                      params=dict(sc.params)),
+                        "prefix_affinity", replicas=sc.replicas,
+                        fleet=sc.profiles())["ttft_mean_s"]
+    assert f"{defaults:.3f}" != after_s
