@@ -89,6 +89,20 @@ def experiment(gw: Gateway) -> dict[str, Any]:
     return report(gw)["experiments"][0]
 
 
+def settled(gw: Gateway, copies: int, deadline_s: float = 300) -> dict[str, Any]:
+    """The experiment once each of `copies` mirror copies has ended or was dropped.
+
+    A copy starts only after its client's answer, so on a loaded machine the last ones end
+    long after the last answer; waiting for every copy to be accounted for (rather than for
+    a count of pairs) ends as soon as they are, and a shortfall of pairs then fails with the
+    counters that explain it, not with a deadline."""
+    def done() -> dict[str, Any] | None:
+        exp = experiment(gw)
+        ended = exp["arms"]["candidate"]["requests"] + exp["mirror"]["dropped"]
+        return exp if ended >= copies else None
+    return poll(done, deadline_s=deadline_s, interval_s=0.5)
+
+
 def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, tmp_path):
     port = processes.free_ports(1)[0]
     # Room for every copy: on a loaded machine the slow pool falls behind, more than the
@@ -96,9 +110,8 @@ def test_a_mirror_reports_the_slower_candidate_and_a_reload_turns_it_off(pools, 
     gw = start_gateway(ab_config(port, pools, max_concurrency=300), tmp_path)
     try:
         assert set(send(gw, 300)) == {"fast"}
-        # The copies finish after the answers; on a loaded machine the last of them can take
-        # well over 30 s (the swapped run below once missed 230 by then).
-        exp = poll(lambda: (e := experiment(gw))["paired"] >= 290 and e, deadline_s=120)
+        exp = settled(gw, 300)
+        assert exp["paired"] >= 290, (exp["mirror"], exp["arms"]["candidate"]["errors"])
         assert exp["arms"]["baseline"]["requests"] == 300
         assert exp["arms"]["candidate"]["ok"] >= 290
         diff = exp["ttft_diff_s"]
@@ -141,7 +154,8 @@ def test_the_arms_swapped_give_the_opposite_sign(pools, tmp_path):
                                  max_concurrency=240), tmp_path)
     try:
         assert set(send(gw, 240)) == {"slow"}
-        exp = poll(lambda: (e := experiment(gw))["paired"] >= 230 and e, deadline_s=120)
+        exp = settled(gw, 240)
+        assert exp["paired"] >= 230, (exp["mirror"], exp["arms"]["candidate"]["errors"])
         diff = exp["ttft_diff_s"]
         assert diff["conclusive"] and diff["ci95"][1] < 0, diff
     finally:
