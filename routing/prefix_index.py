@@ -88,6 +88,12 @@ class PrefixIndex:
                 blocks[h] = None
         self._evict()
 
+    def lend(self, room: int) -> None:
+        """Lend `room` blocks of the capacity to prefill sent but not computed yet (what is
+        queued there now), evicting what no longer fits."""
+        self.room = room
+        self._evict()
+
     def _evict(self) -> None:
         blocks = self._blocks
         overflow = len(blocks) + len(self._pinned) - self.capacity_blocks - self.room

@@ -50,6 +50,9 @@ class Router:
         self.pin_running = pin_running
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees)
         self.indexes: dict[str, PrefixIndex] = {}
+        self._room_block_tokens: dict[str, float] = {}
+        """Replica -> tokens per block of the last prefix recorded there: the unit of the room
+        its index lends to queued prefill (`pin_running`)."""
         self.on_record: Callable[[str, Sequence[int], float], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with
         the uncached prompt tokens it costs there, after its own index has it: how the gateway
@@ -68,6 +71,7 @@ class Router:
         policy drops its state of it. The load it still carries (requests in flight) stays
         counted until `forget_load`."""
         self.indexes.pop(name, None)
+        self._room_block_tokens.pop(name, None)
         self.policy.on_removed(name)
 
     def forget_load(self, name: str) -> None:
@@ -150,20 +154,34 @@ class Router:
         index = self.indexes.get(replica)
         if index is not None and hashes:
             if self.pin_running and block_tokens > 0.0:
-                # This request's uncached blocks and those queued before it, by this gateway
-                # and by the others whose decisions this index holds too, are not in the
-                # engine yet: room for them, so they do not push out what it holds. In the
-                # request's own blocks: characters or the engine's tokens, as it was hashed.
-                load = self.load
-                queued = load.pending_prefill.get(replica, 0.0) + uncached_tokens
-                if load.remote:
-                    others = load.remote.get(replica)
-                    if others is not None:
-                        queued += others[1]
-                index.room = int(queued / block_tokens)
+                # This request's uncached blocks, not dispatched yet, are queued there too. In
+                # the request's own blocks: characters or the engine's tokens, as it was hashed.
+                self._room_block_tokens[replica] = block_tokens
+                index.room = self._room(replica, uncached_tokens)
             index.insert(hashes)
             if self.on_record is not None:
                 self.on_record(replica, hashes, uncached_tokens)
+
+    def _room(self, replica: str, unsent_tokens: float = 0.0) -> int:
+        """The blocks `replica`'s index lends to prefill queued there: sent, by this gateway
+        and by the others whose decisions it holds too, but not computed by the engine yet,
+        so that they do not push out blocks the engine still holds (`pin_running`)."""
+        block_tokens = self._room_block_tokens.get(replica)
+        if not block_tokens:
+            return 0
+        load = self.load
+        queued = load.pending_prefill.get(replica, 0.0) + unsent_tokens
+        if load.remote:
+            others = load.remote.get(replica)
+            if others is not None:
+                queued += others[1]
+        return int(queued / block_tokens)
+
+    def _relend(self, replica: str) -> None:
+        """The prefill queued at `replica` changed: its index lends the room it now needs."""
+        index = self.indexes.get(replica)
+        if index is not None:
+            index.lend(self._room(replica))
 
     # What other gateways decided (shared routing state) --------------------------------------
 
@@ -177,9 +195,12 @@ class Router:
         applied = 0
         indexes = self.indexes
         tell = self.policy.on_remote_routed if self._tell_remote else None
+        pin_running = self.pin_running
         for replica, hashes, uncached in inserts:
             index = indexes.get(replica)
             if index is not None and hashes:
+                if pin_running:  # queued there too, as in `record`
+                    index.room = self._room(replica, uncached)
                 index.insert(hashes)
                 applied += 1
                 if tell is not None:
@@ -193,6 +214,9 @@ class Router:
         stays this router's own."""
         before = self.load.remote
         self.load.set_remote(loads)
+        if self.pin_running:
+            for replica in set(before) | set(self.load.remote):
+                self._relend(replica)
         if self._tell_load:
             for replica in set(before) | set(self.load.remote):
                 if replica in self.indexes:
@@ -231,6 +255,8 @@ class Router:
         if self.pin_running and decision.hashes:
             index = self.indexes.get(decision.replica)
             if index is not None:
+                # Its prefill is computed: no longer lent room, held by the pin instead.
+                index.room = self._room(decision.replica)
                 index.pin(decision.hashes)
         if self._tell_load:
             self._load_update(decision.replica)
@@ -238,10 +264,13 @@ class Router:
     def finished(self, decision: Decision, saw_first_token: bool) -> None:
         """The attempt `decision` ended (answered, failed or abandoned)."""
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
-        if self.pin_running and saw_first_token and decision.hashes:
+        if self.pin_running and decision.hashes:
             index = self.indexes.get(decision.replica)
             if index is not None:
-                index.unpin(decision.hashes)
+                # Its prefill, computed or abandoned, is no longer queued there.
+                index.lend(self._room(decision.replica))
+                if saw_first_token:
+                    index.unpin(decision.hashes)
         if self._tell_finished:
             self.policy.on_finished(decision, saw_first_token)
         if self._tell_load:

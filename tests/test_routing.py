@@ -162,6 +162,59 @@ def test_prefill_still_queued_does_not_push_out_what_the_engine_holds() -> None:
         assert held == (len(answered.hashes) if pin else 0)
 
 
+def test_once_the_queued_prefill_is_computed_it_pushes_out_what_was_held_for_it() -> None:
+    router = one_small_replica(True)
+    answered, d = route_and_start(router, chat_text(system_prompt(1), "q"))
+    router.finished(d, True)
+    queued = []
+    for i in range(6):
+        decision = router.route(router.request_from_text(chat_text(system_prompt(200 + i), "q")),
+                                [ReplicaView(name="r0")])
+        router.dispatched(decision, 2.0)
+        queued.append(decision)
+    assert router.matched_blocks("r0", answered.hashes) == len(answered.hashes)
+    # The engine computes them: now in its cache, they evicted the older prefix. The index
+    # forgets it then, not at the next request it routes there.
+    for decision in queued:
+        router.first_token(decision, 3.0, 2.0)
+    assert router.load.pending_prefill["r0"] == 0
+    assert router.indexes["r0"].room == 0
+    assert router.matched_blocks("r0", answered.hashes) == 0
+    for decision in queued:
+        router.finished(decision, True)
+    assert len(router.indexes["r0"]) == 64
+
+
+def test_a_request_abandoned_while_queued_gives_back_the_room_it_was_lent() -> None:
+    router = one_small_replica(True)
+    _, d = route_and_start(router, chat_text(system_prompt(1), "q"))
+    router.finished(d, True)
+    queued = [router.route(router.request_from_text(chat_text(system_prompt(200 + i), "q")),
+                           [ReplicaView(name="r0")]) for i in range(6)]
+    for decision in queued:
+        router.dispatched(decision, 2.0)
+    assert router.indexes["r0"].room > 0
+    for decision in queued:  # cancelled by their clients before any token
+        router.finished(decision, False)
+    assert router.indexes["r0"].room == 0
+    assert len(router.indexes["r0"]) == 64
+
+
+def test_other_gateways_prefill_computed_there_pushes_out_what_was_held_for_it() -> None:
+    router = one_small_replica(True)
+    old, d = route_and_start(router, chat_text(system_prompt(1), "q"))
+    router.finished(d, True)
+    # Other gateways sent six prompts there, still queued: 6 x 40 blocks of prefill.
+    block_tokens = router.block_chars / router.chars_per_token
+    router.apply_remote_load({"r0": (6, 240 * block_tokens, 240 * block_tokens, 1, 0.0)})
+    for i in range(6):
+        theirs = router.request_from_text(chat_text(system_prompt(200 + i), "q"))
+        router.apply_remote_inserts([("r0", theirs.hashes, theirs.prompt_tokens)])
+    assert router.matched_blocks("r0", old.hashes) == len(old.hashes)
+    router.apply_remote_load({"r0": (6, 0.0, 0.0, 0, 0.0)})  # computed
+    assert router.matched_blocks("r0", old.hashes) == 0
+
+
 def test_the_room_for_queued_prefill_is_counted_in_the_requests_own_blocks() -> None:
     # Hashed on the engine's tokens (16 per block), not on characters: the room lent to the
     # prefill still queued is that many blocks, not the characters' count of them.
