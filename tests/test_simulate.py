@@ -259,6 +259,25 @@ def test_shadow_oracle_runs_on_a_fleet_of_mixed_speeds() -> None:
     assert exc.value.code == 2  # the fleet spec's count disagrees with --replicas
 
 
+def test_the_oracle_held_to_an_imbalance_cap_keeps_it_and_says_what_it_costs() -> None:
+    from backends.sim.fleet_spec import fleet_profiles
+    from loadtests.experiments.balanced_oracle import compare
+
+    # Cold 4k-token prompts on one replica at the 8B's speed and one at the 32B's (4x slower):
+    # the plain oracle sends the slow one next to nothing, so its prefill time is all on the
+    # fast one; held to 1.15 it must give the slow one its share of the time.
+    workload = load_workload(workload="tenants", params={
+        "n_tenants": 60, "n_requests": 60, "rate_per_s": 4, "system_blocks": 8})
+    fleet = fleet_profiles(2, "qwen-32b-h200", fleet="llama-8b-h200:1,qwen-32b-h200:1")
+    rows = {r["router"]: r for r in compare(workload, fleet, [1.15])}
+    assert list(rows) == ["prefix_affinity", "oracle", "oracle, cap 1.15"]
+    assert rows["oracle"]["prefill_time_imbalance"] > 1.5
+    capped = rows["oracle, cap 1.15"]
+    assert capped["prefill_time_imbalance"] <= 1.2
+    assert capped["requests"] == 60
+    assert capped["ttft_mean_s"] > rows["oracle"]["ttft_mean_s"]  # balance is not free here
+
+
 def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
     from backends.sim.fleet_spec import fleet_profiles
     from gateway.config import RoutingSettings

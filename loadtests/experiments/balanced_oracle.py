@@ -1,0 +1,122 @@
+"""The oracle held to a prefill imbalance by time: what balance costs in TTFT on a scenario.
+
+The greedy oracle sends each request where its own TTFT is lowest. On a fleet of mixed speeds
+at light load that keeps the fast replicas busy and the slow ones almost idle: its prefill
+imbalance by time (max over mean, per replica, of its prefill tokens over its prefill rate)
+reaches 2 and more. The scoreboard asks both for a mean TTFT within 10% of the oracle's and
+for an imbalance by time of at most 1.15. This runs the oracle again with a cap on that
+imbalance (a replica whose prefill seconds would pass `cap` times the fleet's mean is left
+out, unless every replica would), so that the price of the cap is measured, not guessed:
+
+    python -m loadtests.experiments.balanced_oracle --scenario mixed:multi_turn/8/light \\
+        --caps 1.15,1.3,1.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from backends.sim.engine import EngineModel
+from backends.sim.fleet_spec import ReplicaProfile
+from loadtests.reference_policies import Oracle
+from loadtests.scoreboard import REPO, SCENARIOS, Scenario
+from loadtests.simulate import Workload, load_workload, make_policy, simulate
+from routing.policies.base import Policy, PrefixLookup
+from routing.types import Decision, ReplicaView, RoutingRequest
+
+
+class BalancedOracle(Oracle):
+    """The oracle, choosing only among replicas whose prefill seconds so far, with this
+    request's own, stay within `cap` times the fleet's mean (the least loaded if none does)."""
+
+    name = "oracle"
+
+    def __init__(self, engines: Mapping[str, EngineModel], cap: float) -> None:
+        super().__init__(engines)
+        self.cap = cap
+        self.seconds = dict.fromkeys(engines, 0.0)
+        """Prefill seconds sent to each replica: its uncached tokens over its prefill rate."""
+
+    def _own_seconds(self, name: str) -> float:
+        eng = self.engines[name]
+        bt = eng.block_tokens
+        p = self._prompt_tokens
+        cached = eng.cache.match(self._hashes[: (p - 1) // bt], touch=False) * bt
+        return (p - cached) / eng.profile.prefill_tokens_per_s
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaView],
+               lookup: PrefixLookup) -> Decision:
+        own = {r.name: self._own_seconds(r.name) for r in replicas}
+        total = sum(self.seconds.values())
+        n = len(self.seconds)
+        allowed = [r for r in replicas
+                   if self.seconds[r.name] + own[r.name]
+                   <= self.cap * (total + own[r.name]) / n]
+        if not allowed:
+            allowed = [min(replicas, key=lambda r: self.seconds[r.name] + own[r.name])]
+        decision = super().choose(request, allowed, lookup)
+        self.seconds[decision.replica] += own[decision.replica]
+        return decision
+
+
+def compare(workload: Workload, fleet: Sequence[ReplicaProfile],
+            caps: Sequence[float]) -> list[dict[str, Any]]:
+    """prefix_affinity at the gateway's defaults, the oracle, and the oracle under each cap,
+    on `workload` over `fleet`: each run's report with its "router"."""
+    rows = []
+    for label, cap in [("prefix_affinity", None), ("oracle", None)] + [
+            (f"oracle, cap {c:g}", c) for c in caps]:
+        policy = "prefix_affinity" if label == "prefix_affinity" else "oracle"
+
+        def factory(name: str, settings: Any, engines: dict[str, EngineModel],
+                    overrides: dict[str, Any] | None, cap: float | None = cap) -> Policy:
+            if cap is None:
+                return make_policy(name, settings, engines, overrides)
+            return BalancedOracle(engines, cap)
+
+        report = simulate(workload, policy, replicas=len(fleet), fleet=fleet,
+                          policy_factory=factory)
+        rows.append({"router": label, **report})
+    return rows
+
+
+def run(sc: Scenario, caps: Sequence[float]) -> list[dict[str, Any]]:
+    trace = str(REPO / sc.trace) if sc.trace else None
+    workload = load_workload(trace, sc.workload, speedup=sc.speedup, params=dict(sc.params))
+    return compare(workload, sc.profiles(), caps)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    keys = [f"{s.key}/{s.replicas}/{s.load}" for s in SCENARIOS]
+    ap.add_argument("--scenario", required=True, action="append", choices=keys,
+                    metavar="KEY", help="a scoreboard scenario, e.g. mixed:multi_turn/8/light")
+    ap.add_argument("--caps", default="1.15", help="comma-separated imbalance caps")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the synthetic workload's seed instead of the scenario's")
+    args = ap.parse_args(argv)
+    caps = [float(c) for c in args.caps.split(",")]
+    by_key = dict(zip(keys, SCENARIOS, strict=True))
+    for key in args.scenario:
+        sc = by_key[key]
+        if args.seed is not None and sc.workload:
+            sc = replace(sc, params=(*[p for p in sc.params if p[0] != "seed"],
+                                     ("seed", args.seed)))
+        rows = run(sc, caps)
+        oracle = rows[1]["ttft_mean_s"]
+        print(f"\n{sc.title}, {sc.replicas} replicas, {sc.load} load: `{sc.command()}`\n")
+        print("| router | TTFT mean s | / oracle | p50 s | prefill time imb |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['router']} | {r['ttft_mean_s']:.3f} | {r['ttft_mean_s'] / oracle:.3f} "
+                  f"| {r['ttft_p50_s']:.3f} | {r['prefill_time_imbalance']:.2f} |")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
