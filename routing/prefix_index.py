@@ -36,6 +36,11 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks) + len(self._pinned)
 
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks held by running requests (`pin`)."""
+        return len(self._pinned)
+
     def match(self, hashes: Sequence[int]) -> int:
         """Number of leading blocks of `hashes` present (no side effects)."""
         blocks, pinned = self._blocks, self._pinned

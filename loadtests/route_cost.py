@@ -1,0 +1,122 @@
+"""The router's CPU time per request: route, dispatch, first token and end, as the gateway
+calls them, with requests overlapping as they do in a busy pool.
+
+Prompts are shared system prompts (tenants) plus a question of their own, already hashed, so
+what is timed is the routing alone (hashing a prompt is timed by tests of its own and costs
+the same whatever the policy). The replicas' views are built once; the gateway builds them
+per request from its pool, which is not routing either.
+
+    python -m loadtests.route_cost --replicas 8 --set pin_running=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import RoutingSettings
+from gateway.wiring import build_router
+from loadtests.settings import key_value
+from routing import Router
+from routing.types import Decision, ReplicaView, RoutingRequest
+
+
+def prompts(n: int, tenants: int, system_blocks: int, own_blocks: int,
+            block_tokens: float) -> list[RoutingRequest]:
+    """`n` requests of `system_blocks + own_blocks` chained blocks: a tenant's system prompt
+    (request i is tenant i % tenants's) and blocks of its own."""
+    out = []
+    for i in range(n):
+        tenant = i % tenants
+        hashes = [tenant * 1_000_003 + b for b in range(system_blocks)]
+        hashes += [(i + 1) * 7_919_009 + b for b in range(own_blocks)]
+        key = hashes[0]
+        out.append(RoutingRequest(hashes=hashes, prompt_tokens=len(hashes) * block_tokens,
+                                  block_tokens=block_tokens, key=key))
+    return out
+
+
+def run_once(router: Router, views: Sequence[ReplicaView], requests: Sequence[RoutingRequest],
+             concurrency: int) -> float:
+    """Seconds of routing work for `requests`: each is routed and dispatched, sees its first
+    token once `concurrency` later ones were routed, and ends `concurrency` after that."""
+    waiting: deque[Decision] = deque()
+    running: deque[Decision] = deque()
+    now = 0.0
+    perf = time.perf_counter
+    start = perf()
+    for request in requests:
+        now += 0.01
+        decision = router.route(request, views)
+        router.dispatched(decision, now)
+        waiting.append(decision)
+        if len(waiting) > concurrency:
+            d = waiting.popleft()
+            router.first_token(d, now, now - 0.5)
+            running.append(d)
+        if len(running) > concurrency:
+            router.finished(running.popleft(), True)
+    for d in waiting:
+        router.first_token(d, now, now - 0.5)
+        running.append(d)
+    for d in running:
+        router.finished(d, True)
+    return perf() - start
+
+
+def measure(settings: dict[str, Any], *, replicas: int = 8, requests: int = 20_000,
+            rounds: int = 5, concurrency: int = 32, tenants: int = 200,
+            system_blocks: int = 20, own_blocks: int = 5) -> dict[str, Any]:
+    """Microseconds per request over `rounds` fresh routers with these routing `settings`."""
+    routing = RoutingSettings(**settings)
+    block_tokens = routing.block_chars / routing.chars_per_token
+    reqs = prompts(requests, tenants, system_blocks, own_blocks, block_tokens)
+    names = [f"r{i}" for i in range(replicas)]
+    views = [ReplicaView(name=n) for n in names]
+    per_request: list[float] = []
+    router = build_router(routing)
+    for _ in range(rounds):
+        router = build_router(routing)
+        for n in names:
+            router.add_replica(n)
+        per_request.append(run_once(router, views, reqs, concurrency) / requests * 1e6)
+    return {
+        "settings": settings, "replicas": replicas, "requests": requests,
+        "blocks": system_blocks + own_blocks, "concurrency": concurrency,
+        "best_us": min(per_request), "median_us": statistics.median(per_request),
+        "rounds_us": per_request,
+        "inflight_left": sum(router.load.inflight.values()),
+        "pinned_left": sum(ix.pinned_blocks for ix in router.indexes.values()),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=32,
+                    help="requests awaiting a first token, and as many decoding")
+    ap.add_argument("--set", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                    help="routing setting for a second run beside the defaults (repeatable)")
+    args = ap.parse_args(argv)
+    runs = [{}] + ([dict(args.set)] if args.set else [])
+    print(f"{args.replicas} replicas, {args.requests} requests of 25 blocks (200 tenants' "
+          f"20-block system prompts + 5 of their own), {args.concurrency} awaiting a first "
+          f"token and {args.concurrency} decoding; best and median of {args.rounds} rounds\n")
+    print("| settings | µs per request, best | median |")
+    print("|---|---:|---:|")
+    for settings in runs:
+        r = measure(settings, replicas=args.replicas, requests=args.requests,
+                    rounds=args.rounds, concurrency=args.concurrency)
+        label = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+        print(f"| {label} | {r['best_us']:.1f} | {r['median_us']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
