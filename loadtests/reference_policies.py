@@ -59,15 +59,21 @@ class Oracle(Policy):
         self._prompt_tokens = prompt_tokens
         self._now = now
 
+    def cached_tokens(self, name: str) -> int:
+        """The current request's prompt tokens `name`'s engine truly holds now."""
+        eng = self.engines[name]
+        bt = eng.block_tokens
+        # vLLM computes the last prompt token even on a full hit (as EngineModel._admit).
+        return eng.cache.match(self._hashes[: (self._prompt_tokens - 1) // bt],
+                               touch=False) * bt
+
     def estimate(self, name: str) -> tuple[float, int]:
         """(estimated TTFT in seconds, true cached tokens) of the current request on `name`."""
         eng = self.engines[name]
         prof = eng.profile
         bt = eng.block_tokens
-        p = self._prompt_tokens
-        # vLLM computes the last prompt token even on a full hit (as EngineModel._admit).
-        cached = eng.cache.match(self._hashes[: (p - 1) // bt], touch=False) * bt
-        new = p - cached
+        cached = self.cached_tokens(name)
+        new = self._prompt_tokens - cached
         # The oracle may read the engine's private queue: knowing it is what makes it an oracle.
         ahead_s = 0.0
         ahead_tokens = 0

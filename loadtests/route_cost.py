@@ -25,18 +25,17 @@ from routing import Router
 from routing.types import Decision, ReplicaView, RoutingRequest
 
 
-def prompts(n: int, tenants: int, system_blocks: int, own_blocks: int,
-            block_tokens: float) -> list[RoutingRequest]:
-    """`n` requests of `system_blocks + own_blocks` chained blocks: a tenant's system prompt
-    (request i is tenant i % tenants's) and blocks of its own."""
+def prompts(router: Router, n: int, tenants: int, system_blocks: int,
+            own_blocks: int) -> list[RoutingRequest]:
+    """`n` requests of `system_blocks + own_blocks` chained blocks, as `router` makes them from
+    hashes: a tenant's system prompt (request i is tenant i % tenants's) and blocks of its own."""
+    block_tokens = router.block_chars / router.chars_per_token
     out = []
     for i in range(n):
-        tenant = i % tenants
-        hashes = [tenant * 1_000_003 + b for b in range(system_blocks)]
+        hashes = [i % tenants * 1_000_003 + b for b in range(system_blocks)]
         hashes += [(i + 1) * 7_919_009 + b for b in range(own_blocks)]
-        key = hashes[0]
-        out.append(RoutingRequest(hashes=hashes, prompt_tokens=len(hashes) * block_tokens,
-                                  block_tokens=block_tokens, key=key))
+        out.append(router.request_from_hashes(hashes, len(hashes) * block_tokens,
+                                              block_tokens))
     return out
 
 
@@ -73,16 +72,19 @@ def measure(settings: dict[str, Any], *, replicas: int = 8, requests: int = 20_0
             system_blocks: int = 20, own_blocks: int = 5) -> dict[str, Any]:
     """Microseconds per request over `rounds` fresh routers with these routing `settings`."""
     routing = RoutingSettings(**settings)
-    block_tokens = routing.block_chars / routing.chars_per_token
-    reqs = prompts(requests, tenants, system_blocks, own_blocks, block_tokens)
     names = [f"r{i}" for i in range(replicas)]
     views = [ReplicaView(name=n) for n in names]
-    per_request: list[float] = []
-    router = build_router(routing)
-    for _ in range(rounds):
+
+    def fresh() -> Router:
         router = build_router(routing)
         for n in names:
             router.add_replica(n)
+        return router
+
+    reqs = prompts(fresh(), requests, tenants, system_blocks, own_blocks)
+    per_request: list[float] = []
+    for _ in range(rounds):
+        router = fresh()
         per_request.append(run_once(router, views, reqs, concurrency) / requests * 1e6)
     return {
         "settings": settings, "replicas": replicas, "requests": requests,
@@ -105,14 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="routing setting for a second run beside the defaults (repeatable)")
     args = ap.parse_args(argv)
     runs = [{}] + ([dict(args.set)] if args.set else [])
-    print(f"{args.replicas} replicas, {args.requests} requests of 25 blocks (200 tenants' "
-          f"20-block system prompts + 5 of their own), {args.concurrency} awaiting a first "
-          f"token and {args.concurrency} decoding; best and median of {args.rounds} rounds\n")
+    results = [measure(settings, replicas=args.replicas, requests=args.requests,
+                       rounds=args.rounds, concurrency=args.concurrency) for settings in runs]
+    print(f"{args.replicas} replicas, {args.requests} requests of {results[0]['blocks']} "
+          f"blocks (tenants' system prompts + blocks of their own), {args.concurrency} "
+          f"awaiting a first token and {args.concurrency} decoding; best and median of "
+          f"{args.rounds} rounds\n")
     print("| settings | µs per request, best | median |")
     print("|---|---:|---:|")
-    for settings in runs:
-        r = measure(settings, replicas=args.replicas, requests=args.requests,
-                    rounds=args.rounds, concurrency=args.concurrency)
+    for settings, r in zip(runs, results, strict=True):
         label = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
         print(f"| {label} | {r['best_us']:.1f} | {r['median_us']:.1f} |")
     return 0

@@ -50,9 +50,9 @@ class Router:
         self.pin_running = pin_running
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees)
         self.indexes: dict[str, PrefixIndex] = {}
-        self._room_block_tokens: dict[str, float] = {}
-        """Replica -> tokens per block of the last prefix recorded there: the unit of the room
-        its index lends to queued prefill (`pin_running`)."""
+        self._room_block_tokens = 0.0
+        """Tokens per block of the last prefix recorded (a pool hashes all its requests
+        alike): the unit of the room an index lends to queued prefill (`pin_running`)."""
         self.on_record: Callable[[str, Sequence[int], float], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with
         the uncached prompt tokens it costs there, after its own index has it: how the gateway
@@ -71,7 +71,6 @@ class Router:
         policy drops its state of it. The load it still carries (requests in flight) stays
         counted until `forget_load`."""
         self.indexes.pop(name, None)
-        self._room_block_tokens.pop(name, None)
         self.policy.on_removed(name)
 
     def forget_load(self, name: str) -> None:
@@ -156,7 +155,7 @@ class Router:
             if self.pin_running and block_tokens > 0.0:
                 # This request's uncached blocks, not dispatched yet, are queued there too. In
                 # the request's own blocks: characters or the engine's tokens, as it was hashed.
-                self._room_block_tokens[replica] = block_tokens
+                self._room_block_tokens = block_tokens
                 index.room = self._room(replica, uncached_tokens)
             index.insert(hashes)
             if self.on_record is not None:
@@ -166,7 +165,7 @@ class Router:
         """The blocks `replica`'s index lends to prefill queued there: sent, by this gateway
         and by the others whose decisions it holds too, but not computed by the engine yet,
         so that they do not push out blocks the engine still holds (`pin_running`)."""
-        block_tokens = self._room_block_tokens.get(replica)
+        block_tokens = self._room_block_tokens
         if not block_tokens:
             return 0
         load = self.load
@@ -176,12 +175,6 @@ class Router:
             if others is not None:
                 queued += others[1]
         return int(queued / block_tokens)
-
-    def _relend(self, replica: str) -> None:
-        """The prefill queued at `replica` changed: its index lends the room it now needs."""
-        index = self.indexes.get(replica)
-        if index is not None:
-            index.lend(self._room(replica))
 
     # What other gateways decided (shared routing state) --------------------------------------
 
@@ -214,13 +207,16 @@ class Router:
         stays this router's own."""
         before = self.load.remote
         self.load.set_remote(loads)
-        if self.pin_running:
-            for replica in set(before) | set(self.load.remote):
-                self._relend(replica)
-        if self._tell_load:
-            for replica in set(before) | set(self.load.remote):
-                if replica in self.indexes:
-                    self._load_update(replica)
+        if not (self.pin_running or self._tell_load):
+            return
+        for replica in set(before) | set(self.load.remote):
+            index = self.indexes.get(replica)
+            if index is None:
+                continue
+            if self.pin_running:  # the others' queue there changed: so does the room
+                index.lend(self._room(replica))
+            if self._tell_load:
+                self._load_update(replica)
 
     def apply_remote_rates(self, rates: Mapping[str, RateSums]) -> None:
         """What other gateways learned of each replica's speed, its own prefill rate and its

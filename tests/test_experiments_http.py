@@ -98,7 +98,11 @@ def settled(gw: Gateway, copies: int, deadline_s: float = 300) -> dict[str, Any]
     counters that explain it, not with a deadline."""
     def done() -> dict[str, Any] | None:
         exp = experiment(gw)
-        ended = exp["arms"]["candidate"]["requests"] + exp["mirror"]["dropped"]
+        cand = exp["arms"]["candidate"]
+        # A copy dropped after it started (its replica's room gone) is both a candidate
+        # sample ("no_replica") and a drop: counted once.
+        ended = (cand["requests"] + exp["mirror"]["dropped"]
+                 - cand["errors"].get("no_replica", 0))
         return exp if ended >= copies else None
     return poll(done, deadline_s=deadline_s, interval_s=0.5)
 

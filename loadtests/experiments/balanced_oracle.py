@@ -33,8 +33,6 @@ class BalancedOracle(Oracle):
     """The oracle, choosing only among replicas whose prefill seconds so far, with this
     request's own, stay within `cap` times the fleet's mean (the least loaded if none does)."""
 
-    name = "oracle"
-
     def __init__(self, engines: Mapping[str, EngineModel], cap: float) -> None:
         super().__init__(engines)
         self.cap = cap
@@ -42,11 +40,8 @@ class BalancedOracle(Oracle):
         """Prefill seconds sent to each replica: its uncached tokens over its prefill rate."""
 
     def _own_seconds(self, name: str) -> float:
-        eng = self.engines[name]
-        bt = eng.block_tokens
-        p = self._prompt_tokens
-        cached = eng.cache.match(self._hashes[: (p - 1) // bt], touch=False) * bt
-        return (p - cached) / eng.profile.prefill_tokens_per_s
+        uncached = self._prompt_tokens - self.cached_tokens(name)
+        return uncached / self.engines[name].profile.prefill_tokens_per_s
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaView],
                lookup: PrefixLookup) -> Decision:
@@ -68,9 +63,9 @@ def compare(workload: Workload, fleet: Sequence[ReplicaProfile],
     """prefix_affinity at the gateway's defaults, the oracle, and the oracle under each cap,
     on `workload` over `fleet`: each run's report with its "router"."""
     rows = []
-    for label, cap in [("prefix_affinity", None), ("oracle", None)] + [
-            (f"oracle, cap {c:g}", c) for c in caps]:
-        policy = "prefix_affinity" if label == "prefix_affinity" else "oracle"
+    runs = [("prefix_affinity", "prefix_affinity", None), ("oracle", "oracle", None)]
+    runs += [(f"oracle, cap {c:g}", "oracle", c) for c in caps]
+    for label, policy, cap in runs:
 
         def factory(name: str, settings: Any, engines: dict[str, EngineModel],
                     overrides: dict[str, Any] | None, cap: float | None = cap) -> Policy:
@@ -101,9 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     caps = [float(c) for c in args.caps.split(",")]
     by_key = dict(zip(keys, SCENARIOS, strict=True))
+    if args.seed is not None and any(by_key[k].trace for k in args.scenario):
+        ap.error("--seed: a trace scenario has no seed")
     for key in args.scenario:
         sc = by_key[key]
-        if args.seed is not None and sc.workload:
+        if args.seed is not None:
             sc = replace(sc, params=(*[p for p in sc.params if p[0] != "seed"],
                                      ("seed", args.seed)))
         rows = run(sc, caps)
