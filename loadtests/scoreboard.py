@@ -334,8 +334,9 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
     print(f"prefix_affinity before ({setting}) and after ({after_setting}); "
           f"`python -m loadtests.scoreboard {command}`\n")
     print("| set | workload | replicas | load | before s | after s | oracle s | before / oracle "
-          "| after / oracle | after / least_load | after hit | oracle hit | co-batching bound s |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| after / oracle | after / least_load | after hit | oracle hit | co-batching bound s "
+          "| before time imb | after time imb |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for sc in chosen:
         b, a = res[(sc, "before")], res[(sc, "prefix_affinity")]
         o, ll = res[(sc, "oracle")], res[(sc, "least_load")]
@@ -344,7 +345,8 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
               f"{o['ttft_mean_s']:.3f} | {_ratio(b['ttft_mean_s'], o['ttft_mean_s'])} | "
               f"{_ratio(a['ttft_mean_s'], o['ttft_mean_s'])} | "
               f"{_ratio(a['ttft_mean_s'], ll['ttft_mean_s'])} | {a['hit_ratio']:.3f} | "
-              f"{o['hit_ratio']:.3f} | {o['ttft_bound_mean_s']:.3f} |")
+              f"{o['hit_ratio']:.3f} | {o['ttft_bound_mean_s']:.3f} | "
+              f"{b['prefill_time_imbalance']:.2f} | {a['prefill_time_imbalance']:.2f} |")
     print("\nScenario commands:\n")
     for sc in chosen:
         print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
