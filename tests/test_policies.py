@@ -257,3 +257,80 @@ def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
     # which got none, unless the retry's whole prompt is counted there.
     assert balanced_choice_after(reroute=False) == "y"
     assert balanced_choice_after(reroute=True) == "x"
+
+
+# -- time_cap: the prefill imbalance by time held to a cap ------------------------------------
+
+
+def route_hot_prefix(time_cap: float | None, n: int = 40, y_queued: float = 0.0) -> dict[str, int]:
+    """Requests sharing a long prefix that "x" holds, each with its own 1,024-character
+    suffix, on a pair ("y" with `y_queued` tokens of prefill queued): how many each got."""
+    settings = {} if time_cap is None else {"time_cap": time_cap}
+    router = Router(["x", "y"], build_policy("prefix_affinity", settings), block_chars=128)
+    prefix = "p" * 8192
+    router.record("x", router.request_from_text(prefix).hashes)
+    views = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=y_queued)]
+    counts = {"x": 0, "y": 0}
+    for i in range(n):
+        request = router.request_from_text(prefix + f"{i:04d}" * 256)
+        counts[router.route(request, views).replica] += 1
+    return counts
+
+
+def test_without_a_time_cap_a_held_prefix_keeps_every_request_on_its_holder() -> None:
+    assert route_hot_prefix(None) == {"x": 40, "y": 0}
+
+
+def test_a_time_cap_sends_work_past_it_to_the_replica_that_had_less() -> None:
+    # Each request's own prefill is its suffix on "x" and the whole prompt on "y" (which then
+    # holds the prefix too): "x" may take at most 1.15x the pair's mean of recent prefill.
+    counts = route_hot_prefix(1.15)
+    assert counts["y"] > 0, counts
+    assert counts["x"] > counts["y"], counts
+
+
+def test_a_time_cap_moves_no_work_onto_a_replica_with_prefill_queued() -> None:
+    # Balance is worth idle capacity only: "y" under the cap but with a queue of its own
+    # would make each request moved there wait behind it.
+    assert route_hot_prefix(1.15, y_queued=100.0) == {"x": 40, "y": 0}
+
+
+def slow_pair_prefill_time(time_cap: float | None, n: int = 200) -> tuple[dict[str, int], float]:
+    """Distinct cold prompts on a pair where "y" prefills four times slower than "x": each
+    replica's count, and the larger prefill time (tokens over speed) over the mean."""
+    settings = {} if time_cap is None else {"time_cap": time_cap}
+    router = Router(["x", "y"], build_policy("prefix_affinity", settings), block_chars=128)
+    views = [ReplicaView(name="x", speed=1.6), ReplicaView(name="y", speed=0.4)]
+    counts = {"x": 0, "y": 0}
+    seconds = {"x": 0.0, "y": 0.0}
+    speed = {"x": 1.6, "y": 0.4}
+    for i in range(n):
+        request = router.request_from_text(f"{i:05d}" * 400)
+        decision = router.route(request, views)
+        counts[decision.replica] += 1
+        seconds[decision.replica] += decision.uncached_tokens / speed[decision.replica]
+    mean = sum(seconds.values()) / 2
+    return counts, max(seconds.values()) / mean
+
+
+def test_a_time_cap_gives_a_slow_replica_work_in_proportion_to_its_speed() -> None:
+    # Without the cap an idle fleet of mixed speeds sends every prompt to the fast replica
+    # (own_speed: its own prefill is the request's TTFT there).
+    counts, _ = slow_pair_prefill_time(None)
+    assert counts == {"x": 200, "y": 0}
+    counts, imbalance = slow_pair_prefill_time(1.15)
+    assert imbalance <= 1.15 + 0.05, (counts, imbalance)
+    # Four times slower: about a fifth of the requests, not half.
+    assert 25 <= counts["y"] <= 55, counts
+
+
+def test_a_replica_joining_a_time_capped_pool_is_not_sent_everything() -> None:
+    router = Router(["x", "y", "z"], build_policy("prefix_affinity", {"time_cap": 1.15}),
+                    block_chars=128)
+    for i in range(60):
+        router.route(router.request_from_text(f"{i:05d}" * 400), idle(["x", "y"]))
+    got = [router.route(router.request_from_text(f"n{i:05d}" * 400), idle(["x", "y", "z"]))
+           .replica for i in range(30)]
+    # Starting at nothing, "z" would be the only replica under the cap for dozens of requests.
+    assert got.count("z") <= 15, got
+    assert got.count("x") > 0 and got.count("y") > 0, got

@@ -20,6 +20,10 @@ from routing.types import (
     RoutingRequest,
 )
 
+Row = tuple[float, int, int, float, bool, str, float]
+"""A replica as one decision sees it: (cost, matched, rendezvous weight, uncached, eligible,
+name, step wait)."""
+
 
 class PrefixAffinitySettings(PolicySettings):
     load_factor: float = Field(1.25, ge=1.0, description="bounded-load factor c: a replica is "
@@ -91,6 +95,12 @@ class PrefixAffinitySettings(PolicySettings):
                                          "they are priced at the speed: the fixed cost of "
                                          "the engine step that prefills it, which a slower "
                                          "replica's steps pay more of")
+    time_cap: float | None = Field(
+        None, ge=1.0, description="cap on the prefill imbalance by time: a replica whose "
+        "recent prefill at its own speed (the balance_horizon window), with this request's, "
+        "would pass time_cap times the replicas' mean is left out while a replica under the "
+        "cap has no prefill queued (balance moves work onto idle capacity only). None: no "
+        "cap; needs balance_horizon > 0")
 
 
 @register
@@ -123,6 +133,8 @@ class PrefixAffinity(Policy):
        step wait wins (with `balance_horizon` > 0, a decaying per-replica sum), else the
        rendezvous owner of the prefix key. Balancing keeps prefill work even when cold prompts
        vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
+    With `time_cap` set, before step 3, replicas whose recent prefill time is past the cap
+    are left out while one under it is idle: an operator's choice of balance over TTFT.
     """
 
     name = "prefix_affinity"
@@ -154,6 +166,9 @@ class PrefixAffinity(Policy):
         self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
         self.own_speed_spread = s.own_speed_spread
+        self.time_cap = s.time_cap if s.balance_horizon > 0 else None
+        self._members: set[str] = set()
+        """Replicas the time cap has seen: one that is not among them has just joined."""
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -180,8 +195,7 @@ class PrefixAffinity(Policy):
         own_exponent = 1.0 - busy
         self._decisions += 1
 
-        # (cost, matched, weight, uncached, eligible, name, step wait)
-        rows: list[tuple[float, int, int, float, bool, str, float]] = []
+        rows: list[Row] = []
         best_match = 0
         for r, speed, bound in zip(replicas, speeds, bounds, strict=True):
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
@@ -205,6 +219,8 @@ class PrefixAffinity(Policy):
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
 
+        if self.time_cap is not None:
+            rows = self._cap_by_time(rows, replicas, speeds)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
             least = min(r.inflight for r in replicas)
@@ -243,6 +259,36 @@ class PrefixAffinity(Policy):
             uncached_tokens=chosen[3],
             fallbacks=[row[5] for row in others],
         )
+
+    def _cap_by_time(self, rows: list[Row], replicas: Sequence[ReplicaView],
+                     speeds: Sequence[float]) -> list[Row]:
+        """`rows` with those over the time cap made ineligible (see `time_cap`), while a
+        replica under it has no prefill queued; else `rows` as they are."""
+        joined = [row[5] for row in rows if row[5] not in self._members]
+        if joined and self._members:
+            # A replica that joins starts at the others' mean: at nothing, it would be the
+            # only one under the cap and take every request until it caught up.
+            others = [self._recent_work(row[5]) for row in rows if row[5] in self._members]
+            start = sum(others) / len(others) if others else 0.0
+            for name in joined:
+                self._recent[name] = (start, self._decisions)
+        self._members.update(joined)
+        recent = [self._recent_work(row[5]) for row in rows]
+        own = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
+        total = sum(recent)
+        n = len(rows)
+        cap = self.time_cap
+        allowed = [rec + o <= cap * (total + o) / n for rec, o in zip(recent, own, strict=True)]
+        # Only idle capacity is worth balancing onto: with every replica under the cap
+        # queued, moving work there queues it behind prefill (on the mixed fleet near
+        # saturation, the slow half queued and the fast half not, mean TTFT 3x).
+        if not any(a and r.pending_prefill_tokens <= 0.0
+                   for a, r in zip(allowed, replicas, strict=True)):
+            return rows
+        if not any(a and row[4] for a, row in zip(allowed, rows, strict=True)):
+            # Over the in-flight bound too: the time cap decides, the bound is the softer one.
+            return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
+        return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
 
     def _spread(self, speeds: Sequence[float]) -> bool:
         """Whether the speeds are those of a fleet of mixed speeds (`own_speed_spread`)."""
@@ -286,6 +332,7 @@ class PrefixAffinity(Policy):
 
     def on_removed(self, replica: str) -> None:
         self._recent.pop(replica, None)
+        self._members.discard(replica)
         self._speeds.forget(replica)
 
     def on_remote_routed(self, replica: str, uncached_tokens: float) -> None:
