@@ -264,21 +264,30 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float]) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued; else `rows` as they are."""
-        joined = [row[5] for row in rows if row[5] not in self._members]
-        if joined and self._members:
-            # A replica that joins starts at the others' mean: at nothing, it would be the
-            # only one under the cap and take every request until it caught up.
-            others = [self._recent_work(row[5]) for row in rows if row[5] in self._members]
-            start = sum(others) / len(others) if others else 0.0
-            for name in joined:
-                self._recent[name] = (start, self._decisions)
-        self._members.update(joined)
-        recent = [self._recent_work(row[5]) for row in rows]
-        own = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
+        members = self._members
+        if not members.issuperset(row[5] for row in rows):
+            joined = [row[5] for row in rows if row[5] not in members]
+            if members:
+                # A replica that joins starts at the others' mean: at nothing, it would be
+                # the only one under the cap and take every request until it caught up.
+                others = [self._recent_work(row[5]) for row in rows if row[5] in members]
+                start = sum(others) / len(others) if others else 0.0
+                for name in joined:
+                    self._recent[name] = (start, self._decisions)
+            members.update(joined)
+        # _recent_work inlined: this runs for every replica on every decision.
+        decay = 1.0 - 1.0 / self.balance_horizon
+        now = self._decisions
+        get = self._recent.get
+        recent = []
+        for row in rows:
+            value, at = get(row[5], (0.0, now))
+            recent.append(value * decay ** (now - at) if at != now else value)
         total = sum(recent)
         n = len(rows)
         cap = self.time_cap
-        allowed = [rec + o <= cap * (total + o) / n for rec, o in zip(recent, own, strict=True)]
+        allowed = [rec + row[3] / speed <= cap * (total + row[3] / speed) / n
+                   for rec, row, speed in zip(recent, rows, speeds, strict=True)]
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
