@@ -262,14 +262,21 @@ def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
 # -- time_cap: the prefill imbalance by time held to a cap ------------------------------------
 
 
-def route_hot_prefix(time_cap: float | None, n: int = 40, y_queued: float = 0.0) -> dict[str, int]:
+def capped(time_cap: float | None) -> Policy:
+    """prefix_affinity at its defaults, with `time_cap` when given."""
+    return build_policy("prefix_affinity", {} if time_cap is None else {"time_cap": time_cap})
+
+
+def route_hot_prefix(time_cap: float | None, n: int = 40, y_queued: float = 0.0,
+                     y_inflight: int = 0) -> dict[str, int]:
     """Requests sharing a long prefix that "x" holds, each with its own 1,024-character
-    suffix, on a pair ("y" with `y_queued` tokens of prefill queued): how many each got."""
-    settings = {} if time_cap is None else {"time_cap": time_cap}
-    router = Router(["x", "y"], build_policy("prefix_affinity", settings), block_chars=128)
+    suffix, on a pair ("y" with `y_queued` tokens of prefill queued and `y_inflight`
+    requests in flight): how many each got."""
+    router = Router(["x", "y"], capped(time_cap), block_chars=128)
     prefix = "p" * 8192
     router.record("x", router.request_from_text(prefix).hashes)
-    views = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=y_queued)]
+    views = [ReplicaView(name="x"),
+             ReplicaView(name="y", pending_prefill_tokens=y_queued, inflight=y_inflight)]
     counts = {"x": 0, "y": 0}
     for i in range(n):
         request = router.request_from_text(prefix + f"{i:04d}" * 256)
@@ -295,11 +302,18 @@ def test_a_time_cap_moves_no_work_onto_a_replica_with_prefill_queued() -> None:
     assert route_hot_prefix(1.15, y_queued=100.0) == {"x": 40, "y": 0}
 
 
+def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
+    # "y" decodes 20 requests (over the bound of ceil(1.25 x 21 / 2) + 4 = 18) with no
+    # prefill queued: once "x" is past the cap, "y" is the one replica the cap allows.
+    assert route_hot_prefix(None, y_inflight=20) == {"x": 40, "y": 0}
+    counts = route_hot_prefix(1.15, y_inflight=20)
+    assert counts["y"] > 0, counts
+
+
 def slow_pair_prefill_time(time_cap: float | None, n: int = 200) -> tuple[dict[str, int], float]:
     """Distinct cold prompts on a pair where "y" prefills four times slower than "x": each
     replica's count, and the larger prefill time (tokens over speed) over the mean."""
-    settings = {} if time_cap is None else {"time_cap": time_cap}
-    router = Router(["x", "y"], build_policy("prefix_affinity", settings), block_chars=128)
+    router = Router(["x", "y"], capped(time_cap), block_chars=128)
     views = [ReplicaView(name="x", speed=1.6), ReplicaView(name="y", speed=0.4)]
     counts = {"x": 0, "y": 0}
     seconds = {"x": 0.0, "y": 0.0}
@@ -325,12 +339,27 @@ def test_a_time_cap_gives_a_slow_replica_work_in_proportion_to_its_speed() -> No
 
 
 def test_a_replica_joining_a_time_capped_pool_is_not_sent_everything() -> None:
-    router = Router(["x", "y", "z"], build_policy("prefix_affinity", {"time_cap": 1.15}),
-                    block_chars=128)
+    router = Router(["x", "y", "z"], capped(1.15), block_chars=128)
     for i in range(60):
         router.route(router.request_from_text(f"{i:05d}" * 400), idle(["x", "y"]))
     got = [router.route(router.request_from_text(f"n{i:05d}" * 400), idle(["x", "y", "z"]))
            .replica for i in range(30)]
     # Starting at nothing, "z" would be the only replica under the cap for dozens of requests.
+    assert got.count("z") <= 15, got
+    assert got.count("x") > 0 and got.count("y") > 0, got
+
+
+def test_a_replica_back_from_a_long_absence_is_not_sent_everything() -> None:
+    # Unhealthy for longer than the balance window, "z" left the views but not the pool: its
+    # recent prefill decayed while the others' did not.
+    router = Router(["x", "y", "z"], build_policy("prefix_affinity", {"time_cap": 1.15,
+                                                                       "balance_horizon": 50}),
+                    block_chars=128)
+    for i in range(30):
+        router.route(router.request_from_text(f"{i:05d}" * 400), idle(["x", "y", "z"]))
+    for i in range(200):
+        router.route(router.request_from_text(f"m{i:05d}" * 400), idle(["x", "y"]))
+    got = [router.route(router.request_from_text(f"n{i:05d}" * 400), idle(["x", "y", "z"]))
+           .replica for i in range(30)]
     assert got.count("z") <= 15, got
     assert got.count("x") > 0 and got.count("y") > 0, got

@@ -152,6 +152,8 @@ class PrefixAffinity(Policy):
         self.tie_tokens = s.tie_tokens
         self.load_allowance = s.load_allowance
         self.balance_horizon = s.balance_horizon
+        self._decay = 1.0 - 1.0 / s.balance_horizon if s.balance_horizon > 0 else 0.0
+        """What the recent prefill keeps of itself per decision (`balance_horizon`)."""
         self.idle_load_weight = s.load_weight if s.idle_load_weight is None else s.idle_load_weight
         # name -> (recent uncached prefill sent there, decision count when last updated)
         self._recent: dict[str, tuple[float, int]] = {}
@@ -167,12 +169,12 @@ class PrefixAffinity(Policy):
         self.own_speed_step_tokens = s.own_speed_step_tokens
         self.own_speed_spread = s.own_speed_spread
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
-        self._members: set[str] = set()
-        """Replicas the time cap has seen: one that is not among them has just joined."""
+        self._seen_at: dict[str, int] = {}
+        """Replica -> the decision at which the time cap last saw it among the views."""
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
-        return value * (1.0 - 1.0 / self.balance_horizon) ** (self._decisions - at)
+        return value * self._decay ** (self._decisions - at) if at != self._decisions else value
 
     def choose(
         self, request: RoutingRequest, replicas: Sequence[ReplicaView], lookup: PrefixLookup
@@ -264,30 +266,28 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float]) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued; else `rows` as they are."""
-        members = self._members
-        if not members.issuperset(row[5] for row in rows):
-            joined = [row[5] for row in rows if row[5] not in members]
-            if members:
-                # A replica that joins starts at the others' mean: at nothing, it would be
-                # the only one under the cap and take every request until it caught up.
-                others = [self._recent_work(row[5]) for row in rows if row[5] in members]
-                start = sum(others) / len(others) if others else 0.0
-                for name in joined:
-                    self._recent[name] = (start, self._decisions)
-            members.update(joined)
-        # _recent_work inlined: this runs for every replica on every decision.
-        decay = 1.0 - 1.0 / self.balance_horizon
         now = self._decisions
-        get = self._recent.get
-        recent = []
+        seen_at = self._seen_at
+        gone = now - self.balance_horizon
+        back = [row[5] for row in rows if seen_at.get(row[5], gone) <= gone] if seen_at else []
+        recent = [self._recent_work(row[5]) for row in rows]
+        if back and len(back) < len(rows):
+            # A replica that joins, or comes back from longer than the window out of the
+            # views (unhealthy), starts at no less than the others' mean: with its recent
+            # prefill at nothing or decayed, it alone would be under the cap and take every
+            # request until it caught up.
+            others = [rec for rec, row in zip(recent, rows, strict=True) if row[5] not in back]
+            start = sum(others) / len(others)
+            for i, row in enumerate(rows):
+                if row[5] in back and recent[i] < start:
+                    recent[i] = start
+                    self._recent[row[5]] = (start, now)
         for row in rows:
-            value, at = get(row[5], (0.0, now))
-            recent.append(value * decay ** (now - at) if at != now else value)
+            seen_at[row[5]] = now
+        own = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
         total = sum(recent)
-        n = len(rows)
-        cap = self.time_cap
-        allowed = [rec + row[3] / speed <= cap * (total + row[3] / speed) / n
-                   for rec, row, speed in zip(recent, rows, speeds, strict=True)]
+        cap = self.time_cap / len(rows)
+        allowed = [rec + o <= cap * (total + o) for rec, o in zip(recent, own, strict=True)]
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
@@ -341,7 +341,7 @@ class PrefixAffinity(Policy):
 
     def on_removed(self, replica: str) -> None:
         self._recent.pop(replica, None)
-        self._members.discard(replica)
+        self._seen_at.pop(replica, None)
         self._speeds.forget(replica)
 
     def on_remote_routed(self, replica: str, uncached_tokens: float) -> None:
