@@ -338,28 +338,29 @@ def test_a_time_cap_gives_a_slow_replica_work_in_proportion_to_its_speed() -> No
     assert 25 <= counts["y"] <= 55, counts
 
 
-def test_a_replica_joining_a_time_capped_pool_is_not_sent_everything() -> None:
-    router = Router(["x", "y", "z"], capped(1.15), block_chars=128)
-    for i in range(60):
-        router.route(router.request_from_text(f"{i:05d}" * 400), idle(["x", "y"]))
+def where_z_comes_in(router: Router, phases: Sequence[tuple[Sequence[str], int]]) -> list[str]:
+    """Distinct cold prompts routed over `phases` (the healthy replicas, how many requests),
+    then 30 more with "x", "y" and "z" all healthy: where those 30 went."""
+    for p, (names, n) in enumerate(phases):
+        for i in range(n):
+            router.route(router.request_from_text(f"{p}{i:05d}" * 400), idle(names))
     got = [router.route(router.request_from_text(f"n{i:05d}" * 400), idle(["x", "y", "z"]))
            .replica for i in range(30)]
+    assert got.count("x") > 0 and got.count("y") > 0, got
+    return got
+
+
+def test_a_replica_joining_a_time_capped_pool_is_not_sent_everything() -> None:
+    got = where_z_comes_in(Router(["x", "y", "z"], capped(1.15), block_chars=128),
+                           [(["x", "y"], 60)])
     # Starting at nothing, "z" would be the only replica under the cap for dozens of requests.
     assert got.count("z") <= 15, got
-    assert got.count("x") > 0 and got.count("y") > 0, got
 
 
 def test_a_replica_back_from_a_long_absence_is_not_sent_everything() -> None:
     # Unhealthy for longer than the balance window, "z" left the views but not the pool: its
-    # recent prefill decayed while the others' did not.
-    router = Router(["x", "y", "z"], build_policy("prefix_affinity", {"time_cap": 1.15,
-                                                                       "balance_horizon": 50}),
-                    block_chars=128)
-    for i in range(30):
-        router.route(router.request_from_text(f"{i:05d}" * 400), idle(["x", "y", "z"]))
-    for i in range(200):
-        router.route(router.request_from_text(f"m{i:05d}" * 400), idle(["x", "y"]))
-    got = [router.route(router.request_from_text(f"n{i:05d}" * 400), idle(["x", "y", "z"]))
-           .replica for i in range(30)]
+    # recent prefill decayed while the others' did not (23 of the 30 went to it).
+    policy = build_policy("prefix_affinity", {"time_cap": 1.15, "balance_horizon": 50})
+    got = where_z_comes_in(Router(["x", "y", "z"], policy, block_chars=128),
+                           [(["x", "y", "z"], 30), (["x", "y"], 200)])
     assert got.count("z") <= 15, got
-    assert got.count("x") > 0 and got.count("y") > 0, got
