@@ -72,6 +72,12 @@ class RoutingSettings(BaseModel):
         "replica's: equal replicas' learned prefill rates stray, their decode steps do not "
         "(1 or less: the prefill rate alone decides)"
     )
+    decode_step_wait: bool = Field(
+        True, description="time the wait for a replica's engine step in flight, while no "
+        "prefill is pending there, by its decode-only steps at the batch it runs (timed from "
+        "its streamed chunks); false: by its typical step, which averages in the longer steps "
+        "that carry prefill"
+    )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )

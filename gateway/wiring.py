@@ -19,6 +19,7 @@ def build_router(routing: RoutingSettings) -> Router:
         prefill_tokens_per_s=routing.prefill_tokens_per_s,
         speed_decode_agrees=routing.speed_decode_agrees,
         pin_running=routing.pin_running,
+        decode_step_wait=routing.decode_step_wait,
     )
 
 

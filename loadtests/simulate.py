@@ -326,7 +326,8 @@ def run_pool(
                         key_blocks=settings.key_blocks,
                         prefill_tokens_per_s=settings.prefill_tokens_per_s,
                         speed_decode_agrees=settings.speed_decode_agrees,
-                        pin_running=settings.pin_running)
+                        pin_running=settings.pin_running,
+                        decode_step_wait=settings.decode_step_wait)
         for n in names:
             router.resize_index(n, index_blocks)
         return router

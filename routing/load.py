@@ -31,14 +31,18 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("_drain", "_first_tokens", "_order", "inflight", "pending_prefill", "remote",
-                 "steps")
+    __slots__ = ("_drain", "_first_tokens", "_order", "decode_step_wait", "inflight",
+                 "pending_prefill", "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
-                 speed_decode_agrees: float = DECODE_AGREES) -> None:
+                 speed_decode_agrees: float = DECODE_AGREES,
+                 decode_step_wait: bool = True) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s, speed_decode_agrees)
+        self.decode_step_wait = decode_step_wait
+        """Whether a step in flight where no prefill is pending is timed as decode alone
+        (`StepTimer.remaining`)."""
         self._drain: dict[str, float] = {}
         """Replica -> tokens of its oldest pending prefill that its engine has presumably
         computed: see `prefill_left`."""
@@ -200,7 +204,7 @@ class LoadTracker:
         steps = self.steps
         rate = steps.rate  # a property that adds what other gateways learned: read it once
         inflight = self.inflight.get(replica, 0)
-        wait = rate * steps.remaining(replica, now) if now is not None and inflight else 0.0
+        own_inflight = inflight
         pending = self.pending_prefill.get(replica, 0.0)
         left = self.prefill_left(replica) if rate > 0.0 else None
         if self.remote:
@@ -209,6 +213,10 @@ class LoadTracker:
             pending += p
             if left is not None:
                 left += remote_left
+        # The engine step in flight carries prefill only if some was pending when it began:
+        # one sent since waits for the next step. Pending now is the cheap superset of that.
+        wait = (rate * steps.remaining(replica, now, not self.decode_step_wait or pending > 0.0)
+                if now is not None and own_inflight else 0.0)
         return ReplicaView(
             name=replica,
             inflight=inflight,

@@ -259,6 +259,35 @@ def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
     assert balanced_choice_after(reroute=True) == "x"
 
 
+# -- wait_first: ties by the step in flight ---------------------------------------------------
+
+
+def tie_goes_to(wait_first: bool) -> str:
+    """Both replicas hold a prompt; "x" was just sent a long cold prompt, "y" nothing; "x"'s
+    engine step in flight ends in 1 ms (10 tokens at 10,000 a second), "y"'s in 40 ms (400):
+    where a request for the held prompt goes."""
+    router = Router(["x", "y"], build_policy("prefix_affinity", {"wait_first": wait_first}),
+                    block_chars=128)
+    held = "p" * 4096
+    for name in ("x", "y"):
+        router.record(name, router.request_from_text(held).hashes)
+    # "y" busy with a queue: the cold prompt goes to "x", which then has recent prefill.
+    cold = router.route(router.request_from_text("c" * 16384),
+                        [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5)])
+    assert cold.replica == "x"
+    views = [ReplicaView(name="x", inflight=1, step_wait_tokens=10.0),
+             ReplicaView(name="y", inflight=1, step_wait_tokens=400.0)]
+    return router.route(router.request_from_text(held + "q" * 256), views).replica
+
+
+def test_ties_go_to_the_least_recent_prefill_by_default() -> None:
+    assert tie_goes_to(wait_first=False) == "y"
+
+
+def test_with_wait_first_ties_go_to_the_step_that_ends_soonest() -> None:
+    assert tie_goes_to(wait_first=True) == "x"
+
+
 # -- time_cap: the prefill imbalance by time held to a cap ------------------------------------
 
 

@@ -460,6 +460,32 @@ def test_a_request_sent_during_a_long_step_is_credited_to_the_next() -> None:
     assert load.steps.rate == pytest.approx(20_000.0, rel=0.02)
 
 
+def decode_step_wait(decode_step_wait: bool) -> float:
+    """The wait priced on a replica 10 ms into a decode-only step, after steps that alternate
+    40 ms of decode alone with 100 ms that also prefill a request."""
+    load = LoadTracker(prefill_tokens_per_s=10_000.0, decode_step_wait=decode_step_wait)
+    t = replay_steps(load, [(0.04, ""), (0.04, "send"), (0.10, "first")] * 20 + [(0.04, "")])
+    assert load.pending_prefill["r0"] == 0.0  # nothing awaits a first token there
+    return load.view("r0", t + 0.010).step_wait_tokens
+
+
+def test_a_step_with_no_prefill_pending_is_timed_as_decode_alone() -> None:
+    # The typical step averages in the 100 ms steps; the step in flight decodes only, so its
+    # rest is 30 ms (300 tokens at 10,000 a second), as the decode-only line says.
+    assert decode_step_wait(True) == pytest.approx(300.0, rel=0.05)
+    assert decode_step_wait(False) > 400.0
+
+
+def test_a_step_with_prefill_pending_is_timed_as_a_typical_step() -> None:
+    load = LoadTracker(prefill_tokens_per_s=10_000.0)
+    t = replay_steps(load, [(0.04, ""), (0.04, "send"), (0.10, "first")] * 20 + [(0.04, "")])
+    load.dispatched("r0", 1000.0)  # awaiting its first token: the step may carry it
+    typical = load.steps.step_s("r0")
+    assert typical > 0.05
+    assert load.view("r0", t + 0.010).step_wait_tokens == pytest.approx(
+        (typical - 0.010) * 10_000.0)
+
+
 def test_chunked_prefill_teaches_nothing() -> None:
     # Each prompt is prefilled in two 100 ms chunks; only the second ends in a first token.
     # Counting that step alone would claim twice the true rate: the step before it was no

@@ -50,6 +50,10 @@ class PrefixAffinitySettings(PolicySettings):
     balance_horizon: int = Field(1000, ge=0, description="decisions over which ties go to the "
                                  "replica with the least recent prefill (0: ties go to the "
                                  "rendezvous owner)")
+    wait_first: bool = Field(False, description="among ties, the replica whose engine step "
+                             "in flight ends soonest first (its step wait), then the one with "
+                             "the least recent prefill; false: the least recent prefill plus "
+                             "the step wait")
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
@@ -152,6 +156,7 @@ class PrefixAffinity(Policy):
         self.tie_tokens = s.tie_tokens
         self.load_allowance = s.load_allowance
         self.balance_horizon = s.balance_horizon
+        self.wait_first = s.wait_first
         self._decay = 1.0 - 1.0 / s.balance_horizon if s.balance_horizon > 0 else 0.0
         """What the recent prefill keeps of itself per decision (`balance_horizon`)."""
         self.idle_load_weight = s.load_weight if s.idle_load_weight is None else s.idle_load_weight
@@ -237,7 +242,13 @@ class PrefixAffinity(Policy):
         # next: it must not keep balancing from seeing the replicas that are really even.
         cheapest = min(row[0] - row[6] for row in longest)
         ties = [row for row in longest if row[0] - row[6] <= cheapest + self.tie_tokens]
-        if self.balance_horizon > 0 and len(ties) > 1:
+        if len(ties) > 1 and self.wait_first:
+            # The step wait is what this request itself waits; the recent prefill, a guess at
+            # what later ones will (in tokens summed over the window, it outweighed any wait).
+            balance = self.balance_horizon > 0
+            chosen = min(ties, key=lambda row: (
+                row[6], self._recent_work(row[5]) if balance else 0.0, -row[2]))
+        elif self.balance_horizon > 0 and len(ties) > 1:
             chosen = min(ties, key=lambda row: (self._recent_work(row[5]) + row[6], -row[2]))
         else:
             chosen = max(ties, key=lambda row: row[2])
