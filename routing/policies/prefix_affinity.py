@@ -137,6 +137,7 @@ class PrefixAffinity(Policy):
        step wait wins (with `balance_horizon` > 0, a decaying per-replica sum), else the
        rendezvous owner of the prefix key. Balancing keeps prefill work even when cold prompts
        vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
+       With `wait_first`, the step wait first and the recent prefill second.
     With `time_cap` set, before step 3, replicas whose recent prefill time is past the cap
     are left out while one under it is idle: an operator's choice of balance over TTFT.
     """
