@@ -215,7 +215,8 @@ class LoadTracker:
                 left += remote_left
         # The engine step in flight carries prefill only if some was pending when it began:
         # one sent since waits for the next step. Pending now is the cheap superset of that.
-        wait = (rate * steps.remaining(replica, now, not self.decode_step_wait or pending > 0.0)
+        decode_only = self.decode_step_wait and pending <= 0.0
+        wait = (rate * steps.remaining(replica, now, decode_only)
                 if now is not None and own_inflight else 0.0)
         return ReplicaView(
             name=replica,

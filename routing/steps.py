@@ -462,10 +462,10 @@ class StepTimer:
         self._reference = self._busy_reference = self._decode_reference = None
         self._unknown_speed = None
 
-    def remaining(self, replica: str, now: float, prefilling: bool = True) -> float:
+    def remaining(self, replica: str, now: float, decode_only: bool = False) -> float:
         """Estimated seconds until the step in flight ends (0 when unknown or overdue).
 
-        With `prefilling` false (no prefill sent there awaits its first token), the step in
+        With `decode_only` (no prefill sent there awaits its first token), the step in
         flight decodes only: its length is the replica's decode-only line at the batch it
         runs, not its typical step, which averages in the longer steps that carried prefill
         (on control at 8 replicas the typical step overstated a decode step's rest by 35 ms
@@ -474,7 +474,7 @@ class StepTimer:
         if r is None or r.last_end is None or r.step_s is None:
             return 0.0
         length = r.step_s
-        if not prefilling:
+        if decode_only:
             decode = r.decode.predict(r.batch)
             if decode is None:
                 decode = self._decode.predict(r.batch)

@@ -477,7 +477,8 @@ def test_a_step_with_no_prefill_pending_is_timed_as_decode_alone() -> None:
 
 
 def test_a_step_with_prefill_pending_is_timed_as_a_typical_step() -> None:
-    load = LoadTracker(prefill_tokens_per_s=10_000.0)
+    # With decode_step_wait on, a prefill awaiting its first token keeps the typical step.
+    load = LoadTracker(prefill_tokens_per_s=10_000.0, decode_step_wait=True)
     t = replay_steps(load, [(0.04, ""), (0.04, "send"), (0.10, "first")] * 20 + [(0.04, "")])
     load.dispatched("r0", 1000.0)  # awaiting its first token: the step may carry it
     typical = load.steps.step_s("r0")

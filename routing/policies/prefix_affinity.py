@@ -246,9 +246,8 @@ class PrefixAffinity(Policy):
         if len(ties) > 1 and self.wait_first:
             # The step wait is what this request itself waits; the recent prefill, a guess at
             # what later ones will (in tokens summed over the window, it outweighed any wait).
-            balance = self.balance_horizon > 0
-            chosen = min(ties, key=lambda row: (
-                row[6], self._recent_work(row[5]) if balance else 0.0, -row[2]))
+            # With balance_horizon 0 nothing is recorded and the recent prefill is 0 for all.
+            chosen = min(ties, key=lambda row: (row[6], self._recent_work(row[5]), -row[2]))
         elif self.balance_horizon > 0 and len(ties) > 1:
             chosen = min(ties, key=lambda row: (self._recent_work(row[5]) + row[6], -row[2]))
         else:
