@@ -12,6 +12,7 @@ in docs/routing.md comes from a committed command:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -354,6 +355,74 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
     return 0
 
 
+def _variant(text: str) -> tuple[tuple[str, Any], ...]:
+    """``KEY=VALUE,KEY=VALUE`` (or ``defaults``) as sorted settings: one --variant."""
+    if text == "defaults":
+        return ()
+    return tuple(sorted(key_value(part) for part in text.split(",")))
+
+
+def _variant_label(variant: tuple[tuple[str, Any], ...]) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant) or "defaults"
+
+
+def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], ...]],
+          jobs: int, scope: str = "") -> int:
+    """prefix_affinity with each variant's settings on each scenario, against the oracle and
+    least_load at the defaults: one row per scenario (each variant's mean TTFT over the
+    oracle's, its prefill time imbalance), then a summary per variant against the targets
+    (within 1.05x the oracle, 1.05x least_load where nothing is under pressure, prefill time
+    imbalance at most 1.15), the tuning set and the held-out set apart."""
+    work: list[Any] = [(sc, p) for sc in chosen for p in COMPARE_POLICIES]
+    work += [(sc, "prefix_affinity", v) for v in variants for sc in chosen]
+    labels = [p for _sc, p in work[:len(COMPARE_POLICIES) * len(chosen)]]
+    labels += [_variant_label(v) for v in variants for _sc in chosen]
+    res: dict[tuple[Scenario, str], dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    with Pool(max(1, jobs)) as pool:
+        for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
+            res[(sc, label)] = report
+            print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
+                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
+    names = [_variant_label(v) for v in variants]
+    command = scope + " ".join(f"--variant {n}" for n in names)
+    print(f"prefix_affinity mean TTFT over the oracle's (and prefill time imbalance) per "
+          f"variant; `python -m loadtests.scoreboard --sweep {command}` "
+          f"({time.perf_counter() - t0:.0f} s).\n")
+    print("| set | workload | replicas | load | oracle s | " + " | ".join(names) + " |")
+    print("|---|---|---:|---|---:|" + "---:|" * len(names))
+    for sc in chosen:
+        o = res[(sc, "oracle")]["ttft_mean_s"]
+        cells = " | ".join(f"{_ratio(res[(sc, n)]['ttft_mean_s'], o)} "
+                           f"({res[(sc, n)]['prefill_time_imbalance']:.2f})" for n in names)
+        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.title} | {sc.replicas} | "
+              f"{sc.load} | {o:.3f} | {cells} |")
+    print("\nPer variant: cells past 1.05x the oracle; past 1.05x least_load with nothing "
+          "under pressure; prefill time imbalance past 1.15; the worst ratio to the oracle; "
+          "the geometric mean ratio.\n")
+    print("| variant | set | cells | > 1.05 oracle | > 1.05 least_load | time imb > 1.15 "
+          "| worst / oracle | geo-mean / oracle |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for n in names:
+        for which, held in (("tuning", False), ("held out", True)):
+            scs = [sc for sc in chosen if sc.held_out == held]
+            if not scs:
+                continue
+            ratios = [res[(sc, n)]["ttft_mean_s"] / res[(sc, "oracle")]["ttft_mean_s"]
+                      for sc in scs]
+            over_ll = sum(1 for sc in scs if not sc.pressure and res[(sc, n)]["ttft_mean_s"]
+                          > 1.05 * res[(sc, "least_load")]["ttft_mean_s"])
+            imb = sum(1 for sc in scs if res[(sc, n)]["prefill_time_imbalance"] > 1.15)
+            geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            print(f"| {n} | {which} | {len(scs)} | {sum(1 for r in ratios if r > 1.05)} | "
+                  f"{over_ll} | {imb} | {max(ratios):.3f} | {geo:.3f} |")
+    print("\nScenario commands:\n")
+    for sc in chosen:
+        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
+              f"`{sc.command()}`")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
@@ -368,14 +437,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(after), the oracle and least_load")
     ap.add_argument("--after", nargs="+", metavar="KEY=VALUE", type=key_value, default=[],
                     help="with --compare: these settings for the after run, not the defaults")
+    ap.add_argument("--sweep", action="store_true",
+                    help="prefix_affinity with each --variant against the oracle and "
+                         "least_load, and a summary per variant against the targets")
+    ap.add_argument("--variant", action="append", default=[], type=_variant,
+                    metavar="KEY=VALUE[,KEY=VALUE...]",
+                    help="with --sweep: one set of settings (repeatable; 'defaults' for none)")
     args = ap.parse_args(argv)
     if args.after and not args.compare:
         ap.error("--after goes with --compare")
+    if args.sweep != bool(args.variant):
+        ap.error("--sweep needs at least one --variant, and --variant goes with --sweep")
     if args.ablation:
         return ablation(args.jobs)
     chosen = [sc for sc in SCENARIOS if args.only in sc.key
               and (not args.replicas or sc.replicas == args.replicas)
               and (args.which is None or sc.held_out == (args.which == "held-out"))]
+    if args.sweep:
+        scope = "".join(f"{flag} {value} " for flag, value in (
+            ("--only", args.only), ("--replicas", args.replicas), ("--set", args.which))
+            if value)
+        return sweep(chosen, args.variant, args.jobs, scope)
     if args.compare:
         return compare(chosen, dict(args.compare), args.jobs, dict(args.after))
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]

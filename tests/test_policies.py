@@ -262,12 +262,12 @@ def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
 # -- wait_first: ties by the step in flight ---------------------------------------------------
 
 
-def tie_goes_to(wait_first: bool) -> str:
-    """Both replicas hold a prompt; "x" was just sent a long cold prompt, "y" nothing; "x"'s
-    engine step in flight ends in 1 ms (10 tokens at 10,000 a second), "y"'s in 40 ms (400):
-    where a request for the held prompt goes."""
-    router = Router(["x", "y"], build_policy("prefix_affinity", {"wait_first": wait_first}),
-                    block_chars=128)
+def tie_goes_to(wait_first: bool = False, balance_weight: float = 1.0) -> str:
+    """Both replicas hold a prompt; "x" was just sent a long cold prompt (about 4,100 tokens),
+    "y" nothing; "x"'s engine step in flight ends in 1 ms (10 tokens at 10,000 a second),
+    "y"'s in 40 ms (400): where a request for the held prompt goes."""
+    router = Router(["x", "y"], build_policy("prefix_affinity", {
+        "wait_first": wait_first, "balance_weight": balance_weight}), block_chars=128)
     held = "p" * 4096
     for name in ("x", "y"):
         router.record(name, router.request_from_text(held).hashes)
@@ -286,6 +286,13 @@ def test_ties_go_to_the_least_recent_prefill_by_default() -> None:
 
 def test_with_wait_first_ties_go_to_the_step_that_ends_soonest() -> None:
     assert tie_goes_to(wait_first=True) == "x"
+
+
+def test_balance_weight_prices_the_recent_prefill_against_the_step_wait() -> None:
+    # At 0.05 the cold prompt counts about 205 tokens against the 390-token longer wait on
+    # "y": the step that ends soonest wins; at 0.2 (about 820) the least recent prefill does.
+    assert tie_goes_to(balance_weight=0.05) == "x"
+    assert tie_goes_to(balance_weight=0.2) == "y"
 
 
 # -- time_cap: the prefill imbalance by time held to a cap ------------------------------------

@@ -716,3 +716,35 @@ def test_the_scoreboard_compares_two_settings_when_asked_for_an_after(capsys) ->
                         "prefix_affinity", replicas=sc.replicas,
                         fleet=sc.profiles())["ttft_mean_s"]
     assert f"{defaults:.3f}" != after_s
+
+
+def test_the_scoreboard_sweeps_variants_against_the_oracle(capsys) -> None:
+    from loadtests.scoreboard import SCENARIOS
+    from loadtests.scoreboard import main as scoreboard
+
+    with pytest.raises(SystemExit) as exc:
+        scoreboard(["--sweep"])
+    assert exc.value.code == 2
+    assert "--sweep needs at least one --variant" in capsys.readouterr().err
+    assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning", "--sweep",
+                       "--variant", "defaults", "--variant", "load_factor=4",
+                       "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("`python -m loadtests.scoreboard --sweep --only slow:multi_turn --set tuning "
+            "--variant defaults --variant load_factor=4`") in out
+    row = next(line.split("|") for line in out.splitlines()
+               if line.startswith("| tuning | multi_turn on the slow fleet |"))
+    oracle_s = float(row[5])
+    sc = next(sc for sc in SCENARIOS if sc.key == "slow:multi_turn" and not sc.held_out)
+    workload = load_workload(None, sc.workload, speedup=sc.speedup, params=dict(sc.params))
+    defaults = simulate(workload, "prefix_affinity", replicas=sc.replicas, fleet=sc.profiles())
+    oracle = simulate(workload, "oracle", replicas=sc.replicas, fleet=sc.profiles())
+    assert f"{oracle['ttft_mean_s']:.3f}" == f"{oracle_s:.3f}"
+    # Each variant's cell is its own run: the defaults' ratio is the defaults', and the
+    # other variant's differs from it.
+    expected = f"{defaults['ttft_mean_s'] / oracle['ttft_mean_s']:.3f} "
+    assert row[6].strip().startswith(expected.strip())
+    assert not row[7].strip().startswith(expected.strip())
+    summary = [line.split("|") for line in out.splitlines()
+               if line.startswith(("| defaults | tuning |", "| load_factor=4 | tuning |"))]
+    assert [cells[3].strip() for cells in summary] == ["1", "1"]

@@ -54,6 +54,10 @@ class PrefixAffinitySettings(PolicySettings):
                              "in flight ends soonest first (its step wait), then the one with "
                              "the least recent prefill; false: the least recent prefill plus "
                              "the step wait")
+    balance_weight: float = Field(1.0, ge=0.0, description="without wait_first, the weight "
+                                  "of a replica's recent prefill against its step wait in the "
+                                  "tie-break (both in tokens): 1 counts them alike; below 1 "
+                                  "the step that ends soonest decides more ties")
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
@@ -158,6 +162,7 @@ class PrefixAffinity(Policy):
         self.load_allowance = s.load_allowance
         self.balance_horizon = s.balance_horizon
         self.wait_first = s.wait_first
+        self.balance_weight = s.balance_weight
         self._decay = 1.0 - 1.0 / s.balance_horizon if s.balance_horizon > 0 else 0.0
         """What the recent prefill keeps of itself per decision (`balance_horizon`)."""
         self.idle_load_weight = s.load_weight if s.idle_load_weight is None else s.idle_load_weight
@@ -249,7 +254,9 @@ class PrefixAffinity(Policy):
             # With balance_horizon 0 nothing is recorded and the recent prefill is 0 for all.
             chosen = min(ties, key=lambda row: (row[6], self._recent_work(row[5]), -row[2]))
         elif self.balance_horizon > 0 and len(ties) > 1:
-            chosen = min(ties, key=lambda row: (self._recent_work(row[5]) + row[6], -row[2]))
+            bw = self.balance_weight
+            chosen = min(ties, key=lambda row: (bw * self._recent_work(row[5]) + row[6],
+                                                -row[2]))
         else:
             chosen = max(ties, key=lambda row: row[2])
 
