@@ -12,6 +12,7 @@ in docs/routing.md comes from a committed command:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -363,7 +364,9 @@ def _variant(text: str) -> tuple[tuple[str, Any], ...]:
 
 
 def _variant_label(variant: tuple[tuple[str, Any], ...]) -> str:
-    return ",".join(f"{k}={v}" for k, v in variant) or "defaults"
+    # As typed: JSON values (true, null), text as it is.
+    return ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in variant) or "defaults"
 
 
 def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], ...]],
