@@ -73,7 +73,7 @@ class RoutingSettings(BaseModel):
         "(1 or less: the prefill rate alone decides)"
     )
     decode_step_wait: bool = Field(
-        False, description="time the wait for a replica's engine step in flight, while no "
+        True, description="time the wait for a replica's engine step in flight, while no "
         "prefill is pending there, by its decode-only steps at the batch it runs (timed from "
         "its streamed chunks); false: by its typical step, which averages in the longer steps "
         "that carry prefill"

@@ -36,7 +36,7 @@ class LoadTracker:
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  speed_decode_agrees: float = DECODE_AGREES,
-                 decode_step_wait: bool = False) -> None:
+                 decode_step_wait: bool = True) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s, speed_decode_agrees)

@@ -37,7 +37,7 @@ class Router:
         prefill_tokens_per_s: float | None = None,
         speed_decode_agrees: float = DECODE_AGREES,
         pin_running: bool = False,
-        decode_step_wait: bool = False,
+        decode_step_wait: bool = True,
     ) -> None:
         self.policy = policy
         # Most policies ignore these hooks: skip the calls (several a request) when they do.

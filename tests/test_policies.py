@@ -262,12 +262,14 @@ def test_a_retry_counts_as_recent_prefill_where_it_went() -> None:
 # -- wait_first: ties by the step in flight ---------------------------------------------------
 
 
-def tie_goes_to(wait_first: bool = False, balance_weight: float = 1.0) -> str:
+def tie_goes_to(wait_first: bool = False, balance_weight: float | None = None) -> str:
     """Both replicas hold a prompt; "x" was just sent a long cold prompt (about 4,100 tokens),
     "y" nothing; "x"'s engine step in flight ends in 1 ms (10 tokens at 10,000 a second),
     "y"'s in 40 ms (400): where a request for the held prompt goes."""
-    router = Router(["x", "y"], build_policy("prefix_affinity", {
-        "wait_first": wait_first, "balance_weight": balance_weight}), block_chars=128)
+    settings: dict[str, object] = {"wait_first": wait_first}
+    if balance_weight is not None:
+        settings["balance_weight"] = balance_weight
+    router = Router(["x", "y"], build_policy("prefix_affinity", settings), block_chars=128)
     held = "p" * 4096
     for name in ("x", "y"):
         router.record(name, router.request_from_text(held).hashes)
@@ -280,12 +282,15 @@ def tie_goes_to(wait_first: bool = False, balance_weight: float = 1.0) -> str:
     return router.route(router.request_from_text(held + "q" * 256), views).replica
 
 
-def test_ties_go_to_the_least_recent_prefill_by_default() -> None:
-    assert tie_goes_to(wait_first=False) == "y"
+def test_ties_go_to_the_step_that_ends_soonest_by_default() -> None:
+    # At the default balance_weight (0.03) the cold prompt counts about 120 tokens against
+    # the 390-token longer wait on "y"; counted in full (1) it outweighs the wait.
+    assert tie_goes_to() == "x"
+    assert tie_goes_to(balance_weight=1.0) == "y"
 
 
 def test_with_wait_first_ties_go_to_the_step_that_ends_soonest() -> None:
-    assert tie_goes_to(wait_first=True) == "x"
+    assert tie_goes_to(wait_first=True, balance_weight=1.0) == "x"
 
 
 def test_balance_weight_prices_the_recent_prefill_against_the_step_wait() -> None:

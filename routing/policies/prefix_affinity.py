@@ -54,10 +54,12 @@ class PrefixAffinitySettings(PolicySettings):
                              "in flight ends soonest first (its step wait), then the one with "
                              "the least recent prefill; false: the least recent prefill plus "
                              "the step wait")
-    balance_weight: float = Field(1.0, ge=0.0, description="without wait_first, the weight "
+    balance_weight: float = Field(0.03, ge=0.0, description="without wait_first, the weight "
                                   "of a replica's recent prefill against its step wait in the "
-                                  "tie-break (both in tokens): 1 counts them alike; below 1 "
-                                  "the step that ends soonest decides more ties")
+                                  "tie-break (both in tokens): at 1 a window's summed prefill "
+                                  "outweighs any step wait; at 0.03 the step that ends "
+                                  "soonest decides most ties, and a replica sent far more "
+                                  "prefill than the others still loses them")
     replica_speed: bool = Field(True, description="price each replica's queued and recent "
                                 "prefill at its own learned rate (ReplicaView.speed), so a "
                                 "slower replica gets proportionally less")
