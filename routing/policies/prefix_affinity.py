@@ -52,8 +52,8 @@ class PrefixAffinitySettings(PolicySettings):
                                  "rendezvous owner)")
     wait_first: bool = Field(False, description="among ties, the replica whose engine step "
                              "in flight ends soonest first (its step wait), then the one with "
-                             "the least recent prefill; false: the least recent prefill plus "
-                             "the step wait")
+                             "the least recent prefill; false: the step wait plus "
+                             "balance_weight times the recent prefill")
     balance_weight: float = Field(0.03, ge=0.0, description="without wait_first, the weight "
                                   "of a replica's recent prefill against its step wait in the "
                                   "tie-break (both in tokens): at 1 a window's summed prefill "
@@ -139,10 +139,12 @@ class PrefixAffinity(Policy):
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
     4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting
-       the step wait), the replica that recently received the least uncached prefill plus its
-       step wait wins (with `balance_horizon` > 0, a decaying per-replica sum), else the
-       rendezvous owner of the prefix key. Balancing keeps prefill work even when cold prompts
-       vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
+       the step wait), the replica with the least step wait plus `balance_weight` times the
+       uncached prefill it recently received wins (with `balance_horizon` > 0, a decaying
+       per-replica sum), else the rendezvous owner of the prefix key. The wait is what the
+       request itself waits; the recent prefill, weighed lightly, keeps prefill work even
+       when cold prompts vary in length; rendezvous makes independent gateways agree on a
+       cold prefix's home.
        With `wait_first`, the step wait first and the recent prefill second.
     With `time_cap` set, before step 3, replicas whose recent prefill time is past the cap
     are left out while one under it is idle: an operator's choice of balance over TTFT.
