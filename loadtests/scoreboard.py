@@ -400,6 +400,17 @@ def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], 
                            f"({res[(sc, n)]['prefill_time_imbalance']:.2f})" for n in names)
         print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.title} | {sc.replicas} | "
               f"{sc.load} | {o:.3f} | {cells} |")
+    _sweep_summary(chosen, names, res)
+    print("\nScenario commands:\n")
+    for sc in chosen:
+        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
+              f"`{sc.command()}`")
+    return 0
+
+
+def _sweep_summary(chosen: Sequence[Scenario], names: Sequence[str],
+                   res: dict[tuple[Scenario, str], dict[str, Any]]) -> None:
+    """Each variant against the targets, the tuning and the held-out cells apart."""
     print("\nPer variant: cells past 1.05x the oracle; past 1.05x least_load with nothing "
           "under pressure; prefill time imbalance past 1.15; the worst ratio to the oracle; "
           "the geometric mean ratio.\n")
@@ -419,11 +430,6 @@ def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], 
             geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
             print(f"| {n} | {which} | {len(scs)} | {sum(1 for r in ratios if r > 1.05)} | "
                   f"{over_ll} | {imb} | {max(ratios):.3f} | {geo:.3f} |")
-    print("\nScenario commands:\n")
-    for sc in chosen:
-        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
-              f"`{sc.command()}`")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -451,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--after goes with --compare")
     if args.sweep != bool(args.variant):
         ap.error("--sweep needs at least one --variant, and --variant goes with --sweep")
+    if len(set(args.variant)) != len(args.variant):
+        ap.error("each --variant once: their results are kept by their settings")
     if args.ablation:
         return ablation(args.jobs)
     chosen = [sc for sc in SCENARIOS if args.only in sc.key

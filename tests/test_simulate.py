@@ -726,6 +726,10 @@ def test_the_scoreboard_sweeps_variants_against_the_oracle(capsys) -> None:
         scoreboard(["--sweep"])
     assert exc.value.code == 2
     assert "--sweep needs at least one --variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        scoreboard(["--sweep", "--variant", "load_factor=4", "--variant", "load_factor=4"])
+    assert exc.value.code == 2
+    assert "each --variant once" in capsys.readouterr().err
     assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning", "--sweep",
                        "--variant", "defaults", "--variant", "load_factor=4",
                        "--jobs", "1"]) == 0
