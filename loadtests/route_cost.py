@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway.config import RoutingSettings
 from gateway.wiring import build_router
-from loadtests.settings import key_value
+from loadtests.settings import key_value, settings_text
 from routing import Router
 from routing.types import Decision, ReplicaView, RoutingRequest
 
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| settings | µs per request, best | median |")
     print("|---|---:|---:|")
     for settings, r in zip(runs, results, strict=True):
-        label = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+        label = settings_text(settings.items(), ", ")
         print(f"| {label} | {r['best_us']:.1f} | {r['median_us']:.1f} |")
     return 0
 

@@ -7,12 +7,13 @@ in docs/routing.md comes from a committed command:
                                                    # replicas: about 5 min with 2 jobs)
     python -m loadtests.scoreboard --only tenants  # scenarios whose name contains "tenants"
     python -m loadtests.scoreboard --only mixed    # the heterogeneous fleets' scenarios
+    python -m loadtests.scoreboard --sweep --set tuning --variant defaults \
+        --variant balance_weight=1                 # settings side by side, against targets
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -25,7 +26,7 @@ from backends.sim.fleet_spec import ReplicaProfile, describe, fleet_profiles
 from gateway.config import RoutingSettings
 from loadtests import traces
 from loadtests.fleet import REPO
-from loadtests.settings import key_value
+from loadtests.settings import key_value, settings_text
 from loadtests.simulate import (
     ALL_POLICIES,
     DEFAULT_KV_CAPACITY_TOKENS,
@@ -322,17 +323,12 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
     labels = [p for _sc, p, *_rest in work]
     work += [(sc, "prefix_affinity", frozen) for sc in chosen]
     labels += ["before"] * len(chosen)
-    res: dict[tuple[Scenario, str], dict[str, Any]] = {}
-    with Pool(max(1, jobs)) as pool:
-        for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
-            res[(sc, label)] = report
-            print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
-                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
-    setting = ", ".join(f"{k}={v}" for k, v in frozen)
-    after_setting = ", ".join(f"{k}={v}" for k, v in frozen_after) or "defaults"
-    command = f"--compare {' '.join(f'{k}={v}' for k, v in frozen)}"
+    res = _run_labelled(work, labels, jobs)
+    setting = settings_text(frozen, ", ")
+    after_setting = settings_text(frozen_after, ", ")
+    command = f"--compare {settings_text(frozen, ' ')}"
     if frozen_after:
-        command += f" --after {' '.join(f'{k}={v}' for k, v in frozen_after)}"
+        command += f" --after {settings_text(frozen_after, ' ')}"
     print(f"prefix_affinity before ({setting}) and after ({after_setting}); "
           f"`python -m loadtests.scoreboard {command}`\n")
     print("| set | workload | replicas | load | before s | after s | oracle s | before / oracle "
@@ -342,18 +338,37 @@ def compare(chosen: Sequence[Scenario], before: dict[str, Any], jobs: int,
     for sc in chosen:
         b, a = res[(sc, "before")], res[(sc, "prefix_affinity")]
         o, ll = res[(sc, "oracle")], res[(sc, "least_load")]
-        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.title} | {sc.replicas} | "
+        print(f"| {_set_name(sc)} | {sc.title} | {sc.replicas} | "
               f"{sc.load} | {b['ttft_mean_s']:.3f} | {a['ttft_mean_s']:.3f} | "
               f"{o['ttft_mean_s']:.3f} | {_ratio(b['ttft_mean_s'], o['ttft_mean_s'])} | "
               f"{_ratio(a['ttft_mean_s'], o['ttft_mean_s'])} | "
               f"{_ratio(a['ttft_mean_s'], ll['ttft_mean_s'])} | {a['hit_ratio']:.3f} | "
               f"{o['hit_ratio']:.3f} | {o['ttft_bound_mean_s']:.3f} | "
               f"{b['prefill_time_imbalance']:.2f} | {a['prefill_time_imbalance']:.2f} |")
+    _print_commands(chosen)
+    return 0
+
+
+def _set_name(sc: Scenario) -> str:
+    return "held out" if sc.held_out else "tuning"
+
+
+def _run_labelled(work: Sequence[Any], labels: Sequence[str],
+                  jobs: int) -> dict[tuple[Scenario, str], dict[str, Any]]:
+    """Each `_run` job's report by (scenario, label), with its progress on stderr."""
+    res: dict[tuple[Scenario, str], dict[str, Any]] = {}
+    with Pool(max(1, jobs)) as pool:
+        for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
+            res[(sc, label)] = report
+            print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
+                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
+    return res
+
+
+def _print_commands(chosen: Sequence[Scenario]) -> None:
     print("\nScenario commands:\n")
     for sc in chosen:
-        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
-              f"`{sc.command()}`")
-    return 0
+        print(f"- {_set_name(sc)}, {sc.title} {sc.replicas} {sc.load}: `{sc.command()}`")
 
 
 def _variant(text: str) -> tuple[tuple[str, Any], ...]:
@@ -363,12 +378,6 @@ def _variant(text: str) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(key_value(part) for part in text.split(",")))
 
 
-def _variant_label(variant: tuple[tuple[str, Any], ...]) -> str:
-    # As typed: JSON values (true, null), text as it is.
-    return ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
-                    for k, v in variant) or "defaults"
-
-
 def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], ...]],
           jobs: int, scope: str = "") -> int:
     """prefix_affinity with each variant's settings on each scenario, against the oracle and
@@ -376,18 +385,13 @@ def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], 
     oracle's, its prefill time imbalance), then a summary per variant against the targets
     (within 1.05x the oracle, 1.05x least_load where nothing is under pressure, prefill time
     imbalance at most 1.15), the tuning set and the held-out set apart."""
+    names = [settings_text(v) for v in variants]
     work: list[Any] = [(sc, p) for sc in chosen for p in COMPARE_POLICIES]
+    labels = [p for sc in chosen for p in COMPARE_POLICIES]
     work += [(sc, "prefix_affinity", v) for v in variants for sc in chosen]
-    labels = [p for _sc, p in work[:len(COMPARE_POLICIES) * len(chosen)]]
-    labels += [_variant_label(v) for v in variants for _sc in chosen]
-    res: dict[tuple[Scenario, str], dict[str, Any]] = {}
+    labels += [n for n in names for _sc in chosen]
     t0 = time.perf_counter()
-    with Pool(max(1, jobs)) as pool:
-        for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
-            res[(sc, label)] = report
-            print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
-                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
-    names = [_variant_label(v) for v in variants]
+    res = _run_labelled(work, labels, jobs)
     command = scope + " ".join(f"--variant {n}" for n in names)
     print(f"prefix_affinity mean TTFT over the oracle's (and prefill time imbalance) per "
           f"variant; `python -m loadtests.scoreboard --sweep {command}` "
@@ -398,13 +402,10 @@ def sweep(chosen: Sequence[Scenario], variants: Sequence[tuple[tuple[str, Any], 
         o = res[(sc, "oracle")]["ttft_mean_s"]
         cells = " | ".join(f"{_ratio(res[(sc, n)]['ttft_mean_s'], o)} "
                            f"({res[(sc, n)]['prefill_time_imbalance']:.2f})" for n in names)
-        print(f"| {'held out' if sc.held_out else 'tuning'} | {sc.title} | {sc.replicas} | "
-              f"{sc.load} | {o:.3f} | {cells} |")
+        print(f"| {_set_name(sc)} | {sc.title} | {sc.replicas} | {sc.load} | {o:.3f} | "
+              f"{cells} |")
     _sweep_summary(chosen, names, res)
-    print("\nScenario commands:\n")
-    for sc in chosen:
-        print(f"- {'held out' if sc.held_out else 'tuning'}, {sc.title} {sc.replicas} {sc.load}: "
-              f"`{sc.command()}`")
+    _print_commands(chosen)
     return 0
 
 

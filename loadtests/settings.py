@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -17,6 +18,13 @@ def key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def settings_text(settings: Iterable[tuple[str, Any]], sep: str = ",") -> str:
+    """Settings as ``key_value`` reads them back (JSON values: true, null; text as it is),
+    joined by `sep`, or "defaults" for none: how a printed command or label spells them."""
+    return sep.join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in settings) or "defaults"
 
 
 def add_workload_param(parser: argparse.ArgumentParser) -> None:

@@ -20,4 +20,4 @@ def test_the_table_has_the_defaults_and_the_settings_given(capsys) -> None:
     assert main(["--requests", "200", "--rounds", "1", "--set", "pin_running=true"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "µs" not in line]
-    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| pin_running=True"]
+    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| pin_running=true"]

@@ -212,6 +212,18 @@ def test_settings_are_key_values_with_json_values() -> None:
     assert exc.value.code == 2  # argparse: "expected KEY=VALUE, got 'load_weight'"
 
 
+def test_settings_are_printed_as_they_are_typed() -> None:
+    from loadtests.settings import key_value, settings_text
+
+    settings = [("decode_step_wait", False), ("time_cap", None), ("policy", "round_robin"),
+                ("balance_weight", 0.03)]
+    text = settings_text(settings)
+    # JSON, not Python: a printed command runs as shown and reads back the same settings.
+    assert text == "decode_step_wait=false,time_cap=null,policy=round_robin,balance_weight=0.03"
+    assert [key_value(part) for part in text.split(",")] == settings
+    assert settings_text([], ", ") == "defaults"
+
+
 def test_held_out_scenarios_share_no_workload_seed_with_the_tuning_set() -> None:
     from loadtests.scoreboard import SCENARIOS
 
@@ -746,9 +758,9 @@ def test_the_scoreboard_sweeps_variants_against_the_oracle(capsys) -> None:
     assert f"{oracle['ttft_mean_s']:.3f}" == f"{oracle_s:.3f}"
     # Each variant's cell is its own run: the defaults' ratio is the defaults', and the
     # other variant's differs from it.
-    expected = f"{defaults['ttft_mean_s'] / oracle['ttft_mean_s']:.3f} "
-    assert row[6].strip().startswith(expected.strip())
-    assert not row[7].strip().startswith(expected.strip())
+    expected = f"{defaults['ttft_mean_s'] / oracle['ttft_mean_s']:.3f}"
+    assert row[6].split()[0] == expected
+    assert row[7].split()[0] != expected
     summary = [line.split("|") for line in out.splitlines()
                if line.startswith(("| defaults | tuning |", "| load_factor=4 | tuning |"))]
     assert [cells[3].strip() for cells in summary] == ["1", "1"]

@@ -47,9 +47,10 @@ class PrefixAffinitySettings(PolicySettings):
     slack_tokens: float = Field(256.0, ge=0.0, description="fixed part of that slack, in tokens")
     tie_tokens: float = Field(512.0, ge=0.0, description="cost difference within which equal "
                               "matches count as a tie")
-    balance_horizon: int = Field(1000, ge=0, description="decisions over which ties go to the "
-                                 "replica with the least recent prefill (0: ties go to the "
-                                 "rendezvous owner)")
+    balance_horizon: int = Field(1000, ge=0, description="decisions over which a replica's "
+                                 "recent prefill, which ties weigh against the step wait, "
+                                 "decays (0: none is kept and, without wait_first, ties go to "
+                                 "the rendezvous owner)")
     wait_first: bool = Field(False, description="among ties, the replica whose engine step "
                              "in flight ends soonest first (its step wait), then the one with "
                              "the least recent prefill; false: the step wait plus "
