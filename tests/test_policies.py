@@ -405,3 +405,37 @@ def test_a_replica_back_from_a_long_absence_is_not_sent_everything() -> None:
     got = where_z_comes_in(Router(["x", "y", "z"], policy, block_chars=128),
                            [(["x", "y", "z"], 30), (["x", "y"], 200)])
     assert got.count("z") <= 15, got
+
+
+# -- match_allowance_tokens: a long match may hold its replica past the in-flight bound -------
+
+
+def held_context_goes_to(prefix_chars: int, x_inflight: int,
+                         match_allowance_tokens: float | None) -> str:
+    """"x" holds a session's context of `prefix_chars` characters (4 to a token) and has
+    `x_inflight` requests in flight, all decoding; "y" is idle: where the next turn goes."""
+    policy = build_policy("prefix_affinity", {"match_allowance_tokens": match_allowance_tokens})
+    router = Router(["x", "y"], policy, block_chars=128)
+    context = "s" * prefix_chars
+    router.record("x", router.request_from_text(context).hashes)
+    views = [ReplicaView(name="x", inflight=x_inflight), ReplicaView(name="y")]
+    return router.route(router.request_from_text(context + "t" * 512), views).replica
+
+
+def test_a_long_context_stays_on_its_holder_past_the_in_flight_bound() -> None:
+    # The bound for "x" at 13 in flight is ceil(1.25 x 14 / 2) + 4 = 13: without the match
+    # allowance the 16k-token context is recomputed on "y". 16,384 matched tokens at one
+    # request per 8,192 (the default) raise it by 2 for this request.
+    assert held_context_goes_to(65536, 12, None) == "x"
+    assert held_context_goes_to(65536, 13, None) == "y"
+    assert held_context_goes_to(65536, 13, 8192.0) == "x"
+    assert build_policy("prefix_affinity").settings.match_allowance_tokens == 8192.0
+
+
+def test_the_room_past_the_bound_is_one_request_per_match_allowance_tokens() -> None:
+    # A match shorter than match_allowance_tokens gets no room past the bound.
+    assert held_context_goes_to(65536, 13, 32768.0) == "y"
+    # Two requests of room: at 17 in flight the bound is ceil(1.25 x 18 / 2) + 4 + 2 = 18,
+    # at 18 it is 18 again and the holder is left.
+    assert held_context_goes_to(65536, 17, 8192.0) == "x"
+    assert held_context_goes_to(65536, 18, 8192.0) == "y"

@@ -106,6 +106,11 @@ class PrefixAffinitySettings(PolicySettings):
                                          "they are priced at the speed: the fixed cost of "
                                          "the engine step that prefills it, which a slower "
                                          "replica's steps pay more of")
+    match_allowance_tokens: float | None = Field(
+        8192.0, gt=0.0, description="matched tokens that earn a request one more request "
+        "of load_allowance on the replica holding them: a long context is recomputed "
+        "elsewhere only when its holder is far past the bound, a short match moves as soon "
+        "as it is past (None: one allowance for every request)")
     time_cap: float | None = Field(
         None, ge=1.0, description="cap on the prefill imbalance by time: a replica whose "
         "recent prefill at its own speed (the balance_horizon window), with this request's, "
@@ -126,7 +131,9 @@ class PrefixAffinity(Policy):
        requests off their cache at small counts (2 in flight per replica gives a bound of 3).
        On a busy fleet whose slower replicas all have prefill queued, a replica faster than
        the replicas' mean speed may hold proportionally more (`speed_bound`): at the same
-       load it has more in flight.
+       load it has more in flight. A request gets one more request of allowance on a replica
+       per `match_allowance_tokens` it matches there: a long conversation is recomputed
+       elsewhere only when its holder is far past the bound.
     2. Cost, in prompt tokens: the request's uncached tokens on the replica (from the prefix
        index), plus `load_weight` times the weighted queue there, where the queue is the
        uncached prefill already sent and not yet past first token plus `inflight_tokens` per
@@ -184,6 +191,7 @@ class PrefixAffinity(Policy):
         self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
         self.own_speed_spread = s.own_speed_spread
+        self.match_allowance_tokens = s.match_allowance_tokens
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
         self._seen_at: dict[str, int] = {}
         """Replica -> the decision at which the time cap last saw it among the views."""
@@ -233,7 +241,11 @@ class PrefixAffinity(Policy):
             uncached_cost = ((uncached + self.own_speed_step_tokens) / speed ** own_exponent
                              if own else uncached)
             cost = uncached_cost + w * queue + wait
-            eligible = r.inflight + 1 <= bound
+            # Leaving a holder recomputes what it holds; one more request there costs a
+            # little of every step's time. A long match buys room in proportion.
+            room = (int(matched * block_tokens / self.match_allowance_tokens)
+                    if self.match_allowance_tokens is not None else 0)
+            eligible = r.inflight + 1 <= bound + room
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
 
