@@ -500,7 +500,8 @@ def multi_turn_workload(n_sessions: int = 200, turns: int = 6, system_blocks: in
 def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
                           turns_mean: float = 4.0, first_tokens_mean: float = 8000.0,
                           turn_tokens_mean: float = 1000.0, output_mean: float = 343.0,
-                          think_time_s: float = 60.0, seed: int = 5) -> list[TraceRequest]:
+                          think_time_s: float = 60.0, seed: int = 5, shared_prefixes: int = 0,
+                          shared_tokens: float = 4096.0) -> list[TraceRequest]:
     """Long multi-turn conversations, Mooncake's conversation trace's shape.
 
     Sessions start as a Poisson process (`rate_per_s` / `turns_mean` per second); each has a
@@ -508,9 +509,16 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
     mean `first_tokens_mean`); every later turn is the previous prompt, the previous answer
     and a new log-normal user message (mean `turn_tokens_mean`), after an exponential think
     time. Outputs are exponential with mean `output_mean`. Prompts are whole 512-token blocks.
+    With `shared_prefixes` > 0, every session starts with one of that many shared prefixes of
+    `shared_tokens` tokens (an agent framework's tool definitions), the k-th chosen with
+    weight 1/k; the sessions are otherwise the same.
     """
     ids = _ids(seed)
     rng = random.Random(seed + 1)
+    choose = random.Random(seed + 2)
+    prefix_blocks = max(1, round(shared_tokens / BLOCK_TOKENS))
+    prefixes = [[next(ids) for _ in range(prefix_blocks)] for _ in range(shared_prefixes)]
+    weights = [1.0 / (k + 1) for k in range(shared_prefixes)]
 
     def lognormal_blocks(mean: float) -> int:
         tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
@@ -519,7 +527,7 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
     out, start = [], 0.0
     for s in range(n_sessions):
         start += rng.expovariate(rate_per_s / turns_mean)
-        blocks: list[int] = []
+        blocks: list[int] = (list(choose.choices(prefixes, weights)[0]) if prefixes else [])
         t, answer = start, 0
         turns = 1
         while rng.random() > 1.0 / turns_mean:

@@ -209,6 +209,23 @@ def test_conversation_turns_extend_the_previous_turn() -> None:
     assert all(r.input_tokens == len(r.hash_ids) * BLOCK_TOKENS for r in reqs)
 
 
+def test_conversations_may_start_from_shared_prefixes_and_are_otherwise_the_same() -> None:
+    plain = conversation_workload(n_sessions=60, turns_mean=3.0, seed=8)
+    shared = conversation_workload(n_sessions=60, turns_mean=3.0, seed=8, shared_prefixes=3,
+                                   shared_tokens=2048.0)
+    assert len(shared) == len(plain)
+    firsts = {r.hash_ids[:4] for r in shared}
+    # Every session opens with one of three 4-block prefixes; the first is the most common.
+    assert len(firsts) == 3
+    counts = sorted((sum(r.hash_ids[:4] == f for r in shared) for f in firsts), reverse=True)
+    assert counts[0] > counts[-1]
+    # Behind the prefix, the same sessions: times, outputs and lengths.
+    for a, b in zip(plain, shared, strict=True):
+        assert (b.timestamp_s, b.output_tokens, len(b.hash_ids)) == (
+            a.timestamp_s, a.output_tokens, len(a.hash_ids) + 4)
+    assert len({r.hash_ids[4] for r in shared}) == len({r.hash_ids[0] for r in plain}) == 60
+
+
 def test_stress_workload_is_the_stress_trace() -> None:
     reqs = stress_workload(n_requests=50, rate_per_s=2.0, input_mean=3000.0, seed=4)
     rows = stress_trace(50, 2.0, 3000.0, 343.0, 0.5, seed=4)
