@@ -262,10 +262,13 @@ def test_distinct_cold_prefixes_spread_over_replicas() -> None:
     assert max(homes.values()) <= 2 * 64 / len(REPLICAS)
 
 
-def test_hot_prefix_under_load_spreads_and_respects_the_bound() -> None:
-    router = make_router(load_factor=1.25, load_allowance=0)
+@pytest.mark.parametrize("system_chars", [2000, 80000])
+def test_hot_prefix_under_load_spreads_and_respects_the_bound(system_chars: int) -> None:
+    # The pure bound: no allowance, and none earned by a long match (80,000 characters are
+    # about 20,000 tokens, which at the default match_allowance_tokens would earn 2 more).
+    router = make_router(load_factor=1.25, load_allowance=0, match_allowance_tokens=None)
     load = router.load
-    sys_prompt = system_prompt(7)
+    sys_prompt = system_prompt(7, system_chars)
     served = Counter()
     reasons = Counter()
     # 40 concurrent requests that never finish: the hottest possible prefix.
