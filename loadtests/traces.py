@@ -515,10 +515,11 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
     """
     ids = _ids(seed)
     rng = random.Random(seed + 1)
+    # Its own generator, so that sessions without shared prefixes draw as they always did.
     choose = random.Random(seed + 2)
     prefix_blocks = max(1, round(shared_tokens / BLOCK_TOKENS))
     prefixes = [[next(ids) for _ in range(prefix_blocks)] for _ in range(shared_prefixes)]
-    weights = [1.0 / (k + 1) for k in range(shared_prefixes)]
+    weights = [1.0 / k for k in range(1, shared_prefixes + 1)]
 
     def lognormal_blocks(mean: float) -> int:
         tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
@@ -527,7 +528,7 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
     out, start = [], 0.0
     for s in range(n_sessions):
         start += rng.expovariate(rate_per_s / turns_mean)
-        blocks: list[int] = (list(choose.choices(prefixes, weights)[0]) if prefixes else [])
+        blocks = list(choose.choices(prefixes, weights)[0]) if prefixes else []
         t, answer = start, 0
         turns = 1
         while rng.random() > 1.0 / turns_mean:

@@ -412,8 +412,9 @@ def test_a_replica_back_from_a_long_absence_is_not_sent_everything() -> None:
 
 def held_context_goes_to(prefix_chars: int, x_inflight: int,
                          match_allowance_tokens: float | None) -> str:
-    """"x" holds a session's context of `prefix_chars` characters (4 to a token) and has
-    `x_inflight` requests in flight, all decoding; "y" is idle: where the next turn goes."""
+    """Where the next turn of a session goes when replica "x" holds its context of
+    `prefix_chars` characters (4 to a token) with `x_inflight` requests in flight, all
+    decoding, and "y" is idle."""
     policy = build_policy("prefix_affinity", {"match_allowance_tokens": match_allowance_tokens})
     router = Router(["x", "y"], policy, block_chars=128)
     context = "s" * prefix_chars

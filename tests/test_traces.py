@@ -214,16 +214,24 @@ def test_conversations_may_start_from_shared_prefixes_and_are_otherwise_the_same
     shared = conversation_workload(n_sessions=60, turns_mean=3.0, seed=8, shared_prefixes=3,
                                    shared_tokens=2048.0)
     assert len(shared) == len(plain)
-    firsts = {r.hash_ids[:4] for r in shared}
-    # Every session opens with one of three 4-block prefixes; the first is the most common.
-    assert len(firsts) == 3
-    counts = sorted((sum(r.hash_ids[:4] == f for r in shared) for f in firsts), reverse=True)
-    assert counts[0] > counts[-1]
+    # Every session opens with one of three 4-block prefixes.
+    assert len({r.hash_ids[:4] for r in shared}) == 3
     # Behind the prefix, the same sessions: times, outputs and lengths.
     for a, b in zip(plain, shared, strict=True):
         assert (b.timestamp_s, b.output_tokens, len(b.hash_ids)) == (
             a.timestamp_s, a.output_tokens, len(a.hash_ids) + 4)
     assert len({r.hash_ids[4] for r in shared}) == len({r.hash_ids[0] for r in plain}) == 60
+
+
+def test_shared_prefixes_are_chosen_with_weight_one_over_k() -> None:
+    # With weights 1, 1/2, 1/3 the shares are 6/11, 3/11 and 2/11 (0.55, 0.27, 0.18); chosen
+    # alike they would be a third each. 600 sessions tell them apart by far more than chance.
+    reqs = conversation_workload(n_sessions=600, turns_mean=1.5, seed=8, shared_prefixes=3,
+                                 shared_tokens=512.0)
+    first_of = {r.session: r.hash_ids[0] for r in reqs}
+    shares = sorted((Counter(first_of.values())[p] / 600 for p in set(first_of.values())),
+                    reverse=True)
+    assert [round(x, 1) for x in shares] == [0.5, 0.3, 0.2], shares
 
 
 def test_stress_workload_is_the_stress_trace() -> None:

@@ -221,13 +221,15 @@ class PrefixAffinity(Policy):
         own_exponent = 1.0 - busy
         self._decisions += 1
 
+        allowance = self.match_allowance_tokens
         rows: list[Row] = []
         best_match = 0
         for r, speed, bound in zip(replicas, speeds, bounds, strict=True):
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
-            uncached = max(0.0, prompt_tokens - matched * block_tokens)
+            matched_tokens = matched * block_tokens
+            uncached = max(0.0, prompt_tokens - matched_tokens)
             wait = r.step_wait_tokens
             # The queue is priced at the replica's own rate: it is the wait there. An engine
             # out of KV admits nothing until requests finish, however fast it computes, so
@@ -241,11 +243,11 @@ class PrefixAffinity(Policy):
             uncached_cost = ((uncached + self.own_speed_step_tokens) / speed ** own_exponent
                              if own else uncached)
             cost = uncached_cost + w * queue + wait
-            # Leaving a holder recomputes what it holds; one more request there costs a
-            # little of every step's time. A long match buys room in proportion.
-            room = (int(matched * block_tokens / self.match_allowance_tokens)
-                    if self.match_allowance_tokens is not None else 0)
-            eligible = r.inflight + 1 <= bound + room
+            eligible = r.inflight < bound
+            if not eligible and allowance is not None:
+                # Leaving a holder recomputes what it holds; one more request there costs a
+                # little of every step's time. A long match buys room in proportion.
+                eligible = r.inflight < bound + int(matched_tokens / allowance)
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
 
