@@ -303,21 +303,26 @@ def test_balance_weight_prices_the_recent_prefill_against_the_step_wait() -> Non
 # -- time_cap: the prefill imbalance by time held to a cap ------------------------------------
 
 
-def capped(time_cap: float | None) -> Policy:
-    """prefix_affinity at its defaults, with `time_cap` when given."""
-    return build_policy("prefix_affinity", {} if time_cap is None else {"time_cap": time_cap})
+def capped(time_cap: float | None, mixed_speeds: bool = False) -> Policy:
+    """prefix_affinity at its defaults with `time_cap` (None: none) and a window of 10
+    decisions, so that the cap acts from the tenth request."""
+    return build_policy("prefix_affinity", {"time_cap": time_cap, "balance_horizon": 10,
+                                            "time_cap_mixed_speeds": mixed_speeds})
 
 
 def route_hot_prefix(time_cap: float | None, n: int = 40, y_queued: float = 0.0,
-                     y_inflight: int = 0) -> dict[str, int]:
+                     y_inflight: int = 0, policy: Policy | None = None,
+                     y_busy_speed: float | None = None) -> dict[str, int]:
     """Requests sharing a long prefix that "x" holds, each with its own 1,024-character
-    suffix, on a pair ("y" with `y_queued` tokens of prefill queued and `y_inflight`
-    requests in flight): how many each got."""
-    router = Router(["x", "y"], capped(time_cap), block_chars=128)
+    suffix, on a pair ("y" with `y_queued` tokens of prefill queued, `y_inflight` requests
+    in flight and a throughput while busy of `y_busy_speed`): how many each got (`policy`:
+    instead of `capped(time_cap)`)."""
+    router = Router(["x", "y"], policy or capped(time_cap), block_chars=128)
     prefix = "p" * 8192
     router.record("x", router.request_from_text(prefix).hashes)
     views = [ReplicaView(name="x"),
-             ReplicaView(name="y", pending_prefill_tokens=y_queued, inflight=y_inflight)]
+             ReplicaView(name="y", pending_prefill_tokens=y_queued, inflight=y_inflight,
+                         busy_speed=y_busy_speed)]
     counts = {"x": 0, "y": 0}
     for i in range(n):
         request = router.request_from_text(prefix + f"{i:04d}" * 256)
@@ -337,10 +342,28 @@ def test_a_time_cap_sends_work_past_it_to_the_replica_that_had_less() -> None:
     assert counts["x"] > counts["y"], counts
 
 
+def test_the_default_cap_waits_for_its_window_to_fill() -> None:
+    # At the defaults (time_cap 1.15, a window of 1,000 decisions) a pool's first requests
+    # are a prompt or two per replica: capped then, a shared prefix's second request would
+    # leave its holder.
+    policy = build_policy("prefix_affinity", {})
+    assert route_hot_prefix(None, n=999, policy=policy) == {"x": 999, "y": 0}
+    # From the 1,000th on, "y" (idle) takes requests until the pair's prefill evens out.
+    assert route_hot_prefix(None, n=1100, policy=build_policy("prefix_affinity", {})) == {
+        "x": 999, "y": 101}
+
+
 def test_a_time_cap_moves_no_work_onto_a_replica_with_prefill_queued() -> None:
     # Balance is worth idle capacity only: "y" under the cap but with a queue of its own
     # would make each request moved there wait behind it.
     assert route_hot_prefix(1.15, y_queued=100.0) == {"x": 40, "y": 0}
+
+
+def test_a_time_cap_waits_while_a_replica_speed_is_known_only_from_its_throughput() -> None:
+    # "y" looks three times slower by its throughput while busy, its own rate not yet
+    # learned: the window counts its prefill at speed 1, so the cap would overload it.
+    assert route_hot_prefix(1.15, y_busy_speed=0.33) == {"x": 40, "y": 0}
+    assert route_hot_prefix(1.15, y_busy_speed=1.0)["y"] > 0
 
 
 def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
@@ -351,10 +374,11 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
     assert counts["y"] > 0, counts
 
 
-def slow_pair_prefill_time(time_cap: float | None, n: int = 200) -> tuple[dict[str, int], float]:
+def slow_pair_prefill_time(time_cap: float | None, n: int = 200,
+                           mixed_speeds: bool = False) -> tuple[dict[str, int], float]:
     """Distinct cold prompts on a pair where "y" prefills four times slower than "x": each
     replica's count, and the larger prefill time (tokens over speed) over the mean."""
-    router = Router(["x", "y"], capped(time_cap), block_chars=128)
+    router = Router(["x", "y"], capped(time_cap, mixed_speeds), block_chars=128)
     views = [ReplicaView(name="x", speed=1.6), ReplicaView(name="y", speed=0.4)]
     counts = {"x": 0, "y": 0}
     seconds = {"x": 0.0, "y": 0.0}
@@ -369,11 +393,14 @@ def slow_pair_prefill_time(time_cap: float | None, n: int = 200) -> tuple[dict[s
 
 
 def test_a_time_cap_gives_a_slow_replica_work_in_proportion_to_its_speed() -> None:
-    # Without the cap an idle fleet of mixed speeds sends every prompt to the fast replica
-    # (own_speed: its own prefill is the request's TTFT there).
+    # Without the cap, or with it but not on a fleet of mixed speeds (the default), an idle
+    # fleet of mixed speeds sends every prompt to the fast replica (own_speed: its own
+    # prefill is the request's TTFT there).
     counts, _ = slow_pair_prefill_time(None)
     assert counts == {"x": 200, "y": 0}
-    counts, imbalance = slow_pair_prefill_time(1.15)
+    counts, _ = slow_pair_prefill_time(1.15)
+    assert counts == {"x": 200, "y": 0}
+    counts, imbalance = slow_pair_prefill_time(1.15, mixed_speeds=True)
     assert imbalance <= 1.15 + 0.05, (counts, imbalance)
     # Four times slower: about a fifth of the requests, not half.
     assert 25 <= counts["y"] <= 55, counts
@@ -404,6 +431,21 @@ def test_a_replica_back_from_a_long_absence_is_not_sent_everything() -> None:
     policy = build_policy("prefix_affinity", {"time_cap": 1.15, "balance_horizon": 50})
     got = where_z_comes_in(Router(["x", "y", "z"], policy, block_chars=128),
                            [(["x", "y", "z"], 30), (["x", "y"], 200)])
+    assert got.count("z") <= 15, got
+
+
+def test_a_replica_removed_and_added_back_is_not_sent_everything() -> None:
+    # Removed from the pool (its window dropped) and back within a window: it starts at the
+    # others' mean as a new replica does, not at nothing.
+    policy = build_policy("prefix_affinity", {"time_cap": 1.15, "balance_horizon": 50})
+    router = Router(["x", "y", "z"], policy, block_chars=128)
+    where_z_comes_in(router, [(["x", "y", "z"], 60)])
+    router.remove_replica("z")
+    for i in range(5):
+        router.route(router.request_from_text(f"r{i:05d}" * 400), idle(["x", "y"]))
+    router.add_replica("z")
+    got = [router.route(router.request_from_text(f"b{i:05d}" * 400), idle(["x", "y", "z"]))
+           .replica for i in range(30)]
     assert got.count("z") <= 15, got
 
 

@@ -264,9 +264,11 @@ def test_distinct_cold_prefixes_spread_over_replicas() -> None:
 
 @pytest.mark.parametrize("system_chars", [2000, 80000])
 def test_hot_prefix_under_load_spreads_and_respects_the_bound(system_chars: int) -> None:
-    # The pure bound: no allowance, and none earned by a long match (80,000 characters are
-    # about 20,000 tokens, which at the default match_allowance_tokens would earn 2 more).
-    router = make_router(load_factor=1.25, load_allowance=0, match_allowance_tokens=None)
+    # The pure bound: no allowance, none earned by a long match (80,000 characters are
+    # about 20,000 tokens, which at the default match_allowance_tokens would earn 2 more),
+    # and no time cap (which outranks the bound where it leaves only busier replicas).
+    router = make_router(load_factor=1.25, load_allowance=0, match_allowance_tokens=None,
+                         time_cap=None)
     load = router.load
     sys_prompt = system_prompt(7, system_chars)
     served = Counter()

@@ -112,11 +112,18 @@ class PrefixAffinitySettings(PolicySettings):
         "elsewhere only when its holder is far past the bound, a short match moves as soon "
         "as it is past (None: one allowance for every request)")
     time_cap: float | None = Field(
-        None, ge=1.0, description="cap on the prefill imbalance by time: a replica whose "
+        1.15, ge=1.0, description="cap on the prefill imbalance by time: a replica whose "
         "recent prefill at its own speed (the balance_horizon window), with this request's, "
         "would pass time_cap times the replicas' mean is left out while a replica under the "
-        "cap has no prefill queued (balance moves work onto idle capacity only). None: no "
-        "cap; needs balance_horizon > 0")
+        "cap has no prefill queued (balance moves work onto idle capacity only); from the "
+        "balance_horizon-th decision on, when the window holds more than a few prompts; on "
+        "a fleet of mixed speeds only with time_cap_mixed_speeds. None: no cap; needs "
+        "balance_horizon > 0")
+    time_cap_mixed_speeds: bool = Field(False, description="hold a fleet of mixed speeds "
+                                        "(own_speed_spread) to time_cap too: its slow "
+                                        "replicas then take their share of the prompt work "
+                                        "by time even while a fast replica would serve the "
+                                        "request sooner")
 
 
 @register
@@ -154,8 +161,10 @@ class PrefixAffinity(Policy):
        when cold prompts vary in length; rendezvous makes independent gateways agree on a
        cold prefix's home.
        With `wait_first`, the step wait first and the recent prefill second.
-    With `time_cap` set, before step 3, replicas whose recent prefill time is past the cap
-    are left out while one under it is idle: an operator's choice of balance over TTFT.
+    With `time_cap` (1.15 by default), before step 3, replicas whose recent prefill time is
+    past the cap are left out while one under it is idle: on equal replicas balance by time
+    costs about 1% of the mean TTFT; on a fleet of mixed speeds, where it costs far more, only
+    with `time_cap_mixed_speeds`.
     """
 
     name = "prefix_affinity"
@@ -193,8 +202,12 @@ class PrefixAffinity(Policy):
         self.own_speed_spread = s.own_speed_spread
         self.match_allowance_tokens = s.match_allowance_tokens
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
+        self.time_cap_mixed_speeds = s.time_cap_mixed_speeds
         self._seen_at: dict[str, int] = {}
-        """Replica -> the decision at which the time cap last saw it among the views."""
+        """Replica -> the decision at which the time cap last saw it among the views (up to
+        the last change of views: those since are `_cap_names`, last seen at `_cap_at`)."""
+        self._cap_names: tuple[str, ...] = ()
+        self._cap_at = 0
 
     def _recent_work(self, name: str) -> float:
         value, at = self._recent.get(name, (0.0, self._decisions))
@@ -209,8 +222,9 @@ class PrefixAffinity(Policy):
         speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
+        mixed = self._spread(speeds)
         # own_speed acts on this decision: on a fleet of mixed speeds that is not all busy.
-        own = self.own_speed and busy < 1.0 and self._spread(speeds)
+        own = self.own_speed and busy < 1.0 and mixed
         bounds = self._bounds(replicas, busy, own)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         # With own_speed, decoding requests count as queue only as far as the fleet is busy:
@@ -251,7 +265,20 @@ class PrefixAffinity(Policy):
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
                          r.name, wait))
 
-        if self.time_cap is not None:
+        if (self.time_cap is not None and self._decisions >= self.balance_horizon
+                and (self.time_cap_mixed_speeds or not mixed)
+                and not any(r.busy_speed is not None and r.busy_speed != 1.0
+                            for r in replicas)):
+            # Not before the window has filled: over a pool's first requests the sums are a
+            # prompt or two each, and the cap would send a shared prefix's second request
+            # away from its holder. Not on a fleet of mixed speeds unless asked: the lowest
+            # TTFT leaves its slow replicas nearly idle at light load (the oracle's imbalance
+            # by time is 2.0 there), and the cap costs multi-turn chats 28% of their mean
+            # TTFT; on equal replicas about 1%. Not while a replica's throughput says it is
+            # slower or faster than the rest before its own rate is known: its window counts
+            # its prefill at speed 1, and the cap would give it more time than its share (a
+            # replica three times slower, under a standing queue for minutes, took 1.20 of
+            # the mean).
             rows = self._cap_by_time(rows, replicas, speeds)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
@@ -303,24 +330,8 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float]) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued; else `rows` as they are."""
-        now = self._decisions
-        seen_at = self._seen_at
-        gone = now - self.balance_horizon
-        back = [row[5] for row in rows if seen_at.get(row[5], gone) <= gone] if seen_at else []
         recent = [self._recent_work(row[5]) for row in rows]
-        if back and len(back) < len(rows):
-            # A replica that joins, or comes back from longer than the window out of the
-            # views (unhealthy), starts at no less than the others' mean: with its recent
-            # prefill at nothing or decayed, it alone would be under the cap and take every
-            # request until it caught up.
-            others = [rec for rec, row in zip(recent, rows, strict=True) if row[5] not in back]
-            start = sum(others) / len(others)
-            for i, row in enumerate(rows):
-                if row[5] in back and recent[i] < start:
-                    recent[i] = start
-                    self._recent[row[5]] = (start, now)
-        for row in rows:
-            seen_at[row[5]] = now
+        self._start_returning(rows, recent)
         own = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
         total = sum(recent)
         cap = self.time_cap / len(rows)
@@ -335,6 +346,34 @@ class PrefixAffinity(Policy):
             # Over the in-flight bound too: the time cap decides, the bound is the softer one.
             return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
         return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
+
+    def _start_returning(self, rows: list[Row], recent: list[float]) -> None:
+        """A replica that joins, or comes back from longer than the window out of the views
+        (unhealthy), starts at no less than the others' mean (raised in `recent` and in the
+        window): with its recent prefill at nothing or decayed, it alone would be under the
+        cap and take every request until it caught up."""
+        now = self._decisions
+        names = tuple(row[5] for row in rows)
+        if names == self._cap_names:
+            # The same views as the cap's last decision: every one seen then, none back.
+            self._cap_at = now
+            return
+        seen_at = self._seen_at
+        for name in self._cap_names:  # seen up to the last decision with the old views
+            seen_at[name] = self._cap_at
+        self._cap_names, self._cap_at = names, now
+        gone = now - self.balance_horizon
+        back = [name for name in names if seen_at.get(name, gone) <= gone] if seen_at else []
+        for name in names:
+            seen_at[name] = now
+        if not back or len(back) == len(names):
+            return
+        others = [rec for rec, name in zip(recent, names, strict=True) if name not in back]
+        start = sum(others) / len(others)
+        for i, name in enumerate(names):
+            if name in back and recent[i] < start:
+                recent[i] = start
+                self._recent[name] = (start, now)
 
     def _spread(self, speeds: Sequence[float]) -> bool:
         """Whether the speeds are those of a fleet of mixed speeds (`own_speed_spread`)."""
@@ -379,6 +418,7 @@ class PrefixAffinity(Policy):
     def on_removed(self, replica: str) -> None:
         self._recent.pop(replica, None)
         self._seen_at.pop(replica, None)
+        self._cap_names = tuple(name for name in self._cap_names if name != replica)
         self._speeds.forget(replica)
 
     def on_remote_routed(self, replica: str, uncached_tokens: float) -> None:
