@@ -279,7 +279,9 @@ class PrefixAffinity(Policy):
             # its prefill at speed 1, and the cap would give it more time than its share (a
             # replica three times slower, under a standing queue for minutes, took 1.20 of
             # the mean).
-            rows = self._cap_by_time(rows, replicas, speeds)
+            self._start_returning(rows)
+            if busy < 1.0:  # with no replica idle the cap never acts
+                rows = self._cap_by_time(rows, replicas, speeds)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
             least = min(r.inflight for r in replicas)
@@ -330,30 +332,39 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float]) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued; else `rows` as they are."""
-        recent = [self._recent_work(row[5]) for row in rows]
-        self._start_returning(rows, recent)
-        own = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
+        now, decay, window = self._decisions, self._decay, self._recent
+        recent = []
+        for row in rows:  # _recent_work, inlined: this runs on every request
+            value, at = window.get(row[5], (0.0, now))
+            recent.append(value * decay ** (now - at) if at != now else value)
         total = sum(recent)
         cap = self.time_cap / len(rows)
-        allowed = [rec + o <= cap * (total + o) for rec, o in zip(recent, own, strict=True)]
+        allowed: list[bool] = []
+        idle_under = eligible_under = False
+        for row, rec, speed, r in zip(rows, recent, speeds, replicas, strict=True):
+            own = row[3] / speed
+            ok = rec + own <= cap * (total + own)
+            allowed.append(ok)
+            if ok:
+                idle_under = idle_under or r.pending_prefill_tokens <= 0.0
+                eligible_under = eligible_under or row[4]
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
-        if not any(a and r.pending_prefill_tokens <= 0.0
-                   for a, r in zip(allowed, replicas, strict=True)):
+        if not idle_under or all(allowed):
             return rows
-        if not any(a and row[4] for a, row in zip(allowed, rows, strict=True)):
+        if not eligible_under:
             # Over the in-flight bound too: the time cap decides, the bound is the softer one.
             return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
         return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
 
-    def _start_returning(self, rows: list[Row], recent: list[float]) -> None:
+    def _start_returning(self, rows: list[Row]) -> None:
         """A replica that joins, or comes back from longer than the window out of the views
-        (unhealthy), starts at no less than the others' mean (raised in `recent` and in the
-        window): with its recent prefill at nothing or decayed, it alone would be under the
-        cap and take every request until it caught up."""
+        (unhealthy), starts at no less than the others' mean (raised in the window): with its
+        recent prefill at nothing or decayed, it alone would be under the cap and take every
+        request until it caught up."""
         now = self._decisions
-        names = tuple(row[5] for row in rows)
+        names = tuple([row[5] for row in rows])
         if names == self._cap_names:
             # The same views as the cap's last decision: every one seen then, none back.
             self._cap_at = now
@@ -368,11 +379,10 @@ class PrefixAffinity(Policy):
             seen_at[name] = now
         if not back or len(back) == len(names):
             return
-        others = [rec for rec, name in zip(recent, names, strict=True) if name not in back]
+        others = [self._recent_work(name) for name in names if name not in back]
         start = sum(others) / len(others)
-        for i, name in enumerate(names):
-            if name in back and recent[i] < start:
-                recent[i] = start
+        for name in back:
+            if self._recent_work(name) < start:
                 self._recent[name] = (start, now)
 
     def _spread(self, speeds: Sequence[float]) -> bool:
