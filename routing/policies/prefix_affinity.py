@@ -332,11 +332,7 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float]) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued; else `rows` as they are."""
-        now, decay, window = self._decisions, self._decay, self._recent
-        recent = []
-        for row in rows:  # _recent_work, inlined: this runs on every request
-            value, at = window.get(row[5], (0.0, now))
-            recent.append(value * decay ** (now - at) if at != now else value)
+        recent = [self._recent_work(row[5]) for row in rows]
         total = sum(recent)
         cap = self.time_cap / len(rows)
         allowed: list[bool] = []
