@@ -374,6 +374,29 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
     assert counts["y"] > 0, counts
 
 
+def where_a_long_cold_prompt_goes(time_cap: float | None) -> str:
+    """After a window in which "x" took most of the prefill: where a cold prompt longer than
+    any replica's share of the window goes, with "x" idle and nothing in flight, "y" idle
+    with 3 requests decoding and "z" with prefill queued."""
+    router = Router(["x", "y", "z"], capped(time_cap), block_chars=128)
+    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e4),
+                  ReplicaView(name="z", pending_prefill_tokens=1e4)]
+    for i in range(12):
+        assert router.route(router.request_from_text(f"a{i:04d}" * 400),
+                            x_cheapest).replica == "x"
+    views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3),
+             ReplicaView(name="z", pending_prefill_tokens=5000.0)]
+    return router.route(router.request_from_text("long" * 10_000), views).replica
+
+
+def test_a_cold_prompt_over_the_cap_everywhere_goes_where_it_leaves_the_least() -> None:
+    # Every replica would pass the cap with it, so the cap has no replica under it to keep.
+    # By cost alone it goes to "x", idle and with nothing in flight, though "x" did most of
+    # the window's prefill; with the cap, to the idle replica it leaves with the least.
+    assert where_a_long_cold_prompt_goes(None) == "x"
+    assert where_a_long_cold_prompt_goes(1.15) == "y"
+
+
 def slow_pair_prefill_time(time_cap: float | None, n: int = 200,
                            mixed_speeds: bool = False) -> tuple[dict[str, int], float]:
     """Distinct cold prompts on a pair where "y" prefills four times slower than "x": each
