@@ -281,7 +281,7 @@ class PrefixAffinity(Policy):
             # the mean).
             self._start_returning(rows)
             if busy < 1.0:  # with no replica idle the cap never acts
-                rows = self._cap_by_time(rows, replicas, speeds)
+                rows = self._cap_by_time(rows, replicas, speeds, cold=best_match == 0)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
             least = min(r.inflight for r in replicas)
@@ -329,31 +329,31 @@ class PrefixAffinity(Policy):
         )
 
     def _cap_by_time(self, rows: list[Row], replicas: Sequence[ReplicaView],
-                     speeds: Sequence[float]) -> list[Row]:
+                     speeds: Sequence[float], cold: bool) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
-        replica under it has no prefill queued; a cold prompt over it on every replica only
-        where an idle replica is left with the least recent prefill; else `rows` as they
-        are."""
+        replica under it has no prefill queued; a `cold` prompt (no replica holds any of it)
+        that would pass the cap on every replica, eligible only where an idle replica is
+        left with the least recent prefill; else `rows` as they are."""
         recent = [self._recent_work(row[5]) for row in rows]
         total = sum(recent)
         cap = self.time_cap / len(rows)
         allowed: list[bool] = []
-        after: list[float] = []  # each replica's recent prefill with this request's
         idle_under = eligible_under = False
         for row, rec, speed, r in zip(rows, recent, speeds, replicas, strict=True):
             own = row[3] / speed
-            after.append(rec + own)
             ok = rec + own <= cap * (total + own)
             allowed.append(ok)
             if ok:
                 idle_under = idle_under or r.pending_prefill_tokens <= 0.0
                 eligible_under = eligible_under or row[4]
-        if not idle_under and all(row[1] == 0 for row in rows):
+        if not idle_under and cold:
             # A cold prompt longer than a replica's share of the window passes the cap
             # everywhere. Left to the cost, it went to the idle replica with the fewest
             # requests in flight, often the one the cap had kept idle for being the most
             # past it (agent loops on 32 replicas: one replica at 1.21 of the mean). With no
             # holder to lose, it goes to the idle replica it leaves with the least.
+            after = [rec + row[3] / speed
+                     for row, rec, speed in zip(rows, recent, speeds, strict=True)]
             floor = min((a for a, r in zip(after, replicas, strict=True)
                          if r.pending_prefill_tokens <= 0.0), default=None)
             if floor is not None:
