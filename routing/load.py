@@ -95,6 +95,8 @@ class LoadTracker:
         the gateway); None: unknown, as if before any other gateway's."""
         self._order.setdefault(replica, deque()).append(
             (uncached_tokens, -math.inf if sent_at is None else sent_at))
+        self.steps.dispatched(replica, idle=not self.inflight.get(replica, 0)
+                              and replica not in self.remote)
         self.inflight[replica] = self.inflight.get(replica, 0) + 1
         self.pending_prefill[replica] = self.pending_prefill.get(replica, 0.0) + uncached_tokens
 
@@ -118,8 +120,9 @@ class LoadTracker:
         return own + others[0] if others is not None else own
 
     def first_token(self, replica: str, uncached_tokens: float, now: float | None = None,
-                    dispatched_at: float | None = None) -> None:
-        """The replica finished this request's prefill: its prefill is no longer pending."""
+                    dispatched_at: float | None = None, cold: bool = False) -> None:
+        """The replica finished this request's prefill: its prefill is no longer pending.
+        `cold`: the router believed the replica held none of its prompt."""
         left = self.pending_prefill.get(replica, 0.0) - uncached_tokens
         self.pending_prefill[replica] = left if left > 1e-6 else 0.0
         order = self._order.get(replica)
@@ -136,7 +139,8 @@ class LoadTracker:
             self._first_tokens[replica] = self._first_tokens.get(replica, 0) + 1
             if dispatched_at is not None:
                 self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
-                                        alone=self.pending_prefill.get(replica, 0.0) <= 0.0)
+                                        alone=self.pending_prefill.get(replica, 0.0) <= 0.0,
+                                        cold=cold)
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)

@@ -248,7 +248,8 @@ class Router:
     def first_token(self, decision: Decision, now: float, sent_at: float) -> None:
         """The request's first content token arrived at `now`; it was sent at `sent_at`. From
         now until it finishes its engine holds its prompt's blocks (`pin_running`)."""
-        self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at)
+        self.load.first_token(decision.replica, decision.uncached_tokens, now, sent_at,
+                              cold=decision.matched_blocks == 0)
         if self.pin_running and decision.hashes:
             index = self.indexes.get(decision.replica)
             if index is not None:

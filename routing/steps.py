@@ -34,6 +34,15 @@ are such, and a mixed fleet's speeds are known within its first few dozen reques
 sessions placed on a slow replica before then stay there for their cache); under a standing
 queue few are, and the noisier samples must be more (with one sample of any kind, false
 speeds as low as a third of the truth cost the mixed fleet near saturation 30%)."""
+IDLE_PREFILL_MIN_TOKENS = 512
+"""A cold prompt of at least this many tokens, sent to a replica with nothing in flight and
+alone there until its first token, times the replica's prefill whole from dispatch to first
+token: a sample of its own rate worth SPEED_ALONE_SAMPLES, since no other work can hide in
+it. Step samples need a step before to time against, so before this a replica's first
+requests taught nothing, and at light load a mixed fleet's sessions were placed blind for
+seconds, on the slow half as often as not, and stayed there for their cache. The sample also
+holds one step's fixed cost and the round trip (5 ms or so): at this length that is a
+fifth of the time at most on a fast replica, and a slow one pays it too."""
 BUSY_MIN_SAMPLES = 10
 """First tokens needed before a replica's throughput while busy (`busy_speed`) is used: each
 sample also holds the decode work of the steps between, which makes it noisier."""
@@ -409,13 +418,29 @@ class StepTimer:
                 r.alone_samples += 1
             self._reference = self._unknown_speed = None
 
+    def dispatched(self, replica: str, idle: bool) -> None:
+        """A request was sent to the replica; `idle`: nothing was in flight there, this
+        gateway's or another's (see IDLE_PREFILL_MIN_TOKENS)."""
+        r = self._replicas.get(replica)
+        if r is None:
+            r = self._replicas[replica] = _Steps()
+        r.idle_sent = idle
+
     def prefill_done(self, replica: str, uncached_tokens: float, now: float,
-                     dispatched_at: float, alone: bool = False) -> None:
+                     dispatched_at: float, alone: bool = False, cold: bool = False) -> None:
         """A request sent at `dispatched_at` got its first token at `now` (after its chunk).
         `alone`: after it, nothing this gateway sent there awaits its first token. A step
-        that also ended another gateway's prefill teaches nothing (see `chunk`)."""
+        that also ended another gateway's prefill teaches nothing (see `chunk`). `cold`: the
+        router believed the replica held none of its prompt (IDLE_PREFILL_MIN_TOKENS)."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
+        if r is not None and r.idle_sent:
+            r.idle_sent = False
+            # The last request sent there found it idle, and it is the only one there now
+            # (`batch`, as this first token's chunk found it): this request.
+            if (cold and r.batch == 1 and r.last_end == now and now > dispatched_at
+                    and uncached_tokens >= IDLE_PREFILL_MIN_TOKENS):
+                self._idle_prefill(r, uncached_tokens, now - dispatched_at)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
                                                                       self._same_step_s(r)):
             return
@@ -430,6 +455,15 @@ class StepTimer:
             r.prefill += uncached_tokens
         else:
             r.prefill = None
+
+    def _idle_prefill(self, r: _Steps, uncached_tokens: float, seconds: float) -> None:
+        """A lone cold prefill on an idle replica took `seconds` (IDLE_PREFILL_MIN_TOKENS)."""
+        keep = 1.0 - 1.0 / DECAY_SAMPLES
+        r.rate_tokens = r.rate_tokens * keep + uncached_tokens
+        r.rate_seconds = r.rate_seconds * keep + seconds
+        r.rate_samples += 1
+        r.alone_samples += SPEED_ALONE_SAMPLES
+        self._reference = self._unknown_speed = None
 
     def _busy_done(self, replica: str, uncached_tokens: float, now: float,
                    dispatched_at: float) -> None:
@@ -504,10 +538,10 @@ def _typical_same_step_s(r: _Steps) -> float:
 class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
-    __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "last_end",
-                 "left_alone", "others_ended", "others_seen", "prefill", "prev_decode_only",
-                 "prev_end", "prev_start", "rate_samples", "rate_seconds", "rate_tokens",
-                 "step_s")
+    __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "idle_sent",
+                 "last_end", "left_alone", "others_ended", "others_seen", "prefill",
+                 "prev_decode_only", "prev_end", "prev_start", "rate_samples", "rate_seconds",
+                 "rate_tokens", "step_s")
 
     def __init__(self) -> None:
         self.last_end: float | None = None  # when the last step ended (its first chunk)
@@ -531,6 +565,7 @@ class _Steps:
         self.rate_seconds = 0.0
         self.rate_samples = 0
         self.alone_samples = 0  # of which from steps that left nothing queued (`left_alone`)
+        self.idle_sent = False  # the last request sent there found nothing in flight
         self.decode = DecodeFit()
 
 

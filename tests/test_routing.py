@@ -855,6 +855,82 @@ def test_samples_from_steps_that_left_nothing_queued_teach_a_speed_sooner() -> N
     assert load.steps.replica_rate("r1") == pytest.approx(20_000.0, rel=0.02)
 
 
+def lone_prefill(load: LoadTracker, name: str, seconds: float, tokens: float = 2000.0,
+                 start: float = 0.0, cold: bool = True) -> None:
+    """One request of `tokens` sent to `name` at `start`; its first token, the replica's
+    first chunk since, `seconds` later."""
+    load.dispatched(name, tokens)
+    load.chunk(name, start + seconds)
+    load.first_token(name, tokens, start + seconds, dispatched_at=start, cold=cold)
+
+
+def test_a_lone_cold_prompt_on_an_idle_replica_teaches_its_speed_at_once() -> None:
+    # r2 is four times slower. Each replica's first request is a cold prompt sent while
+    # nothing was in flight there: its time to first token is its prefill, with nothing
+    # else in the steps, and one such request gives the replica's rate.
+    load = LoadTracker()
+    for name, seconds in (("r0", 0.1), ("r1", 0.1), ("r2", 0.4)):
+        lone_prefill(load, name, seconds)
+    assert load.steps.replica_rate("r0") == pytest.approx(20_000.0)
+    assert load.steps.replica_rate("r2") == pytest.approx(5_000.0)
+    assert load.view("r2").speed == pytest.approx(0.25)
+    assert load.view("r0").speed == 1.0
+
+
+@pytest.mark.parametrize("case", ["held", "short", "busy", "joined"])
+def test_a_first_token_teaches_no_speed_unless_the_prefill_ran_alone_on_an_idle_replica(
+        case: str) -> None:
+    # Each departs from the lone cold prompt above in one way: the router believed the
+    # replica held some of the prompt (reading cached KV takes time too, and the first
+    # token does not say how much); the prompt is short (the step's fixed cost and the
+    # round trip would be most of its time); another request was in flight when it was
+    # sent (its response not streamed, and over before the first token); another joined it
+    # before its first token. None teaches r0 its rate.
+    load = LoadTracker()
+    if case == "busy":  # a request unstreamed there, done before the first token
+        load.dispatched("r0", 500.0)
+        load.dispatched("r0", 2000.0)
+        load.finished("r0", 500.0, saw_first_token=False)
+        load.chunk("r0", 0.1)
+        load.first_token("r0", 2000.0, 0.1, dispatched_at=0.0, cold=True)
+    elif case == "joined":
+        load.dispatched("r0", 2000.0)
+        load.dispatched("r0", 2000.0)
+        load.chunk("r0", 0.1)
+        load.first_token("r0", 2000.0, 0.1, dispatched_at=0.0, cold=True)
+    else:
+        lone_prefill(load, "r0", 0.1, tokens=100.0 if case == "short" else 2000.0,
+                     cold=case != "held")
+    assert load.steps.replica_rate("r0") is None
+
+
+def test_the_router_says_whether_the_routed_replica_held_any_of_the_prompt() -> None:
+    # Through the router: r1 first serves prompt A beside another request (no lone sample),
+    # then A with as much again after it, alone on an idle r1, which holds its first half:
+    # no sample either. Prompt B, held nowhere, alone on an idle r0 teaches r0 its rate.
+    router = make_router(replicas=["r0", "r1"])
+    a, b = system_prompt(1, chars=20_000), system_prompt(2, chars=20_000)
+
+    def serve(text: str, name: str, start: float, beside: bool = False) -> None:
+        decision = router.route(router.request_from_text(text), idle([name]))
+        assert decision.replica == name
+        other = router.route(router.request_from_text("x"), idle([name])) if beside else None
+        router.dispatched(decision, start)
+        if other is not None:
+            router.dispatched(other, start)
+        router.chunk(name, start + 0.1)
+        router.first_token(decision, start + 0.1, start)
+        for d in (decision, other):
+            if d is not None:
+                router.finished(d, saw_first_token=d is decision)
+
+    serve(a, "r1", 0.0, beside=True)
+    serve(a + system_prompt(3, chars=20_000), "r1", 1.0)
+    serve(b, "r0", 2.0)
+    assert router.load.steps.replica_rate("r1") is None
+    assert router.load.steps.replica_rate("r0") is not None
+
+
 def test_on_a_mixed_fleet_a_replica_not_yet_learned_is_priced_as_the_fastest() -> None:
     # r1 is four times slower than r0; r2 has not served yet. Priced at 1, between the two,
     # a fast r2 could lose every request to r0 (which holds the prefixes) and to r1, and
