@@ -434,16 +434,17 @@ class StepTimer:
         router believed the replica held none of its prompt (IDLE_PREFILL_MIN_TOKENS)."""
         self._busy_done(replica, uncached_tokens, now, dispatched_at)
         r = self._replicas.get(replica)
-        if r is not None and r.idle_sent:
-            r.idle_sent = False
-            # The last request sent there found it idle, and it is the only one there now
-            # (`batch`, as this first token's chunk found it): this request.
-            if (cold and r.batch == 1 and r.last_end == now and now > dispatched_at
-                    and uncached_tokens >= IDLE_PREFILL_MIN_TOKENS):
-                self._idle_prefill(r, uncached_tokens, now - dispatched_at)
         if r is None or r.last_end is None or now - r.last_end > max(SAME_STEP_S,
                                                                       self._same_step_s(r)):
             return
+        if r.idle_sent:
+            r.idle_sent = False
+            # The last request sent there found it idle, and it is the only one there now
+            # (`batch`, as the chunks of this first token's step found it): this request. Its
+            # step began the run (no step ended there since it was sent).
+            if (cold and r.batch == 1 and r.prev_end is None and r.last_end > dispatched_at
+                    and uncached_tokens >= IDLE_PREFILL_MIN_TOKENS):
+                self._idle_prefill(r, uncached_tokens, r.last_end - dispatched_at)
         r.firsts += 1
         r.left_alone = alone
         if r.prefill is not None and (dispatched_at >= _step_before_began(r)

@@ -50,3 +50,34 @@ def test_prefill_rate_is_learned_over_http(tmp_path) -> None:
     own = pool["replicas"][0]["prefill_tokens_per_s"]
     assert own and own < 1.5 * PROFILES[PROFILE].prefill_tokens_per_s, own
     assert pool["replicas"][0]["speed"] == 1.0
+
+
+def test_a_mixed_fleets_speeds_are_known_once_each_replica_served_one_cold_prompt(
+        tmp_path) -> None:
+    # Two simulated replicas, the second four times slower at everything. Each request is a
+    # cold prompt of about 2,000 tokens, streamed through the chat API (a role chunk before
+    # the first token), sent only once the one before has finished: every replica is idle
+    # when a request reaches it. Timed from dispatch to first token, one such request is the
+    # replica's prefill whole, and gives its own rate; from engine steps alone it took five.
+    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=[0.5, 2.0], profile=PROFILE)
+    try:
+        gw = start_gateway(one_pool_config(sims.urls, processes.free_ports(1)[0],
+                                           models=("tiny",)), tmp_path)
+        try:
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+            for i in range(10):  # until both replicas have served one
+                words = f"conversation {i} opens with words nobody cached before " * 150
+                list(client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": words}],
+                    max_tokens=2, stream=True))
+                replicas = httpx.get(gw.url + "/admin/stats").json()["pools"][0]["replicas"]
+                if all(r["requests"] for r in replicas):
+                    break
+        finally:
+            gw.stop()
+    finally:
+        sims.stop()
+    fast, slow = (next(r for r in replicas if r["url"].startswith(url)) for url in sims.urls)
+    assert fast["requests"] and slow["requests"], replicas
+    assert fast["prefill_tokens_per_s"] and slow["prefill_tokens_per_s"], replicas
+    assert slow["speed"] < 1.0 < fast["speed"], replicas
