@@ -108,7 +108,7 @@ class StepTimer:
     step outweigh cache hits and queues.
     """
 
-    __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
+    __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_references",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
                  "_remote_pool", "_remote_rates", "_replicas", "_unknown_speed")
 
@@ -129,7 +129,7 @@ class StepTimer:
         self._busy: dict[str, _Busy] = {}
         self._busy_reference: float | None = None  # the median replica's busy rate, when fresh
         # (batch, the median replica's decode-only step there), when fresh
-        self._decode_reference: tuple[float, float] | None = None
+        self._decode_references: dict[int, float] = {}
 
     @property
     def rate(self) -> float:
@@ -228,25 +228,35 @@ class StepTimer:
 
     def _decode_agrees(self, replica: str, speed: float) -> bool:
         """Whether the replica's decode-only steps are `decode_agrees` (DECODE_AGREES) times
-        slower than the median replica's (`speed` below 1) or faster (above 1). True while
-        they cannot tell: the replica's own decode steps not yet known (under a standing queue
-        from the start a replica may show none for minutes), or fewer than three replicas'
-        known; and always with `decode_agrees` at 1 or below."""
+        slower than the median replica's (`speed` below 1) or faster (above 1), at the batch
+        the replica's own decode steps ran (its fit's mean): where its line is measured, not
+        drawn on. True while they cannot tell: the replica's own decode steps not yet known
+        (under a standing queue from the start a replica may show none for minutes), or
+        fewer than three replicas' known; and always with `decode_agrees` at 1 or below.
+
+        Compared at the pool's mean batch instead, a slow replica that the pool had rightly
+        kept nearly idle, its line fitted on steps of one or two sequences, was drawn out to
+        the busy replicas' batch of 70 as flat, faster than theirs: its speed went back to 1
+        as the load rose, and the mixed fleet under swinging load queued on its slow half
+        (its first heavy spell 1.2 s to 4.0 s of mean TTFT)."""
         agrees = self._agree_factor
         r = self._replicas.get(replica)
         if agrees <= 1.0 or r is None:
             return True
-        reference = self._decode_reference
+        mean_batch = r.decode.mean_batch()
+        if mean_batch is None:
+            return True
+        batch = max(1, round(mean_batch))
+        reference = self._decode_references.get(batch)
         if reference is None:
-            batch = round(self._decode.mean_batch() or 1.0)
             fits = [d for s in self._replicas.values()
                     if (d := s.decode.predict(batch)) is not None and d > 0.0]
-            reference = self._decode_reference = (
-                float(batch), statistics.median(fits) if len(fits) >= 3 else 0.0)
-        own = r.decode.predict(round(reference[0]))
-        if own is None or own <= 0.0 or reference[1] <= 0.0:
+            reference = self._decode_references[batch] = (
+                statistics.median(fits) if len(fits) >= 3 else 0.0)
+        own = r.decode.predict(batch)
+        if own is None or own <= 0.0 or reference <= 0.0:
             return True
-        ratio = own / reference[1]
+        ratio = own / reference
         return ratio >= agrees if speed < 1.0 else ratio <= 1 / agrees
 
     def busy_speed(self, replica: str) -> float | None:
@@ -399,7 +409,8 @@ class StepTimer:
             own = r.decode.predict(batch)
             if not r.awaiting or own is None or length <= DECODE_ONLY_FACTOR * own:
                 r.decode.observe(batch, length)
-                self._decode_reference = self._unknown_speed = None
+                self._decode_references.clear()
+                self._unknown_speed = None
             return
         if r.prefill is None:
             return
@@ -494,7 +505,8 @@ class StepTimer:
         self._replicas.pop(replica, None)
         self._remote_rates.pop(replica, None)
         self._busy.pop(replica, None)
-        self._reference = self._busy_reference = self._decode_reference = None
+        self._reference = self._busy_reference = None
+        self._decode_references.clear()
         self._unknown_speed = None
 
     def remaining(self, replica: str, now: float, decode_only: bool = False) -> float:

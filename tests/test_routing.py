@@ -775,6 +775,34 @@ def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> N
     assert load.view("r3").speed < 0.5
 
 
+def test_a_slow_replica_kept_nearly_idle_stays_slow_as_the_others_batches_grow() -> None:
+    # r0-r2 fill up: every request they prefill keeps decoding, and a decode step lasts 20 ms
+    # plus 1 ms per sequence (21 to 80 ms over 60 requests). r3 is four times slower at
+    # prefill, decodes in 45 ms, and has served a few requests, its batch small. At r3's
+    # batch its decode steps are twice the others': it is slower, and its speed says so.
+    # Compared at the pool's mean batch, about 30, its line (drawn flat from small batches)
+    # looked as fast as theirs, and its speed went back to 1 as the load rose.
+    load = LoadTracker()
+    for name in ("r0", "r1", "r2"):
+        load.dispatched(name, 0.0)
+        t = 0.0
+        load.chunk(name, t)
+        for _ in range(60):
+            t += 0.02 + 0.001 * load.batch(name)
+            load.chunk(name, t)
+            sent_at = t + 0.001
+            load.dispatched(name, 1000.0)
+            t += 0.02 + 0.001 * load.batch(name)
+            load.chunk(name, t)
+            t += 0.02 + 0.001 * load.batch(name) + 0.05  # and 1,000 tokens at 20,000/s
+            load.chunk(name, t)
+            load.first_token(name, 1000.0, t, dispatched_at=sent_at)
+    feed_replica(load, "r3", 6, 0.045, 0.2)
+    assert load.steps.replica_rate("r3") == pytest.approx(5_000.0, rel=0.02)
+    assert load.view("r3").speed == pytest.approx(0.25, rel=0.05)
+    assert load.view("r0").speed == 1.0
+
+
 def test_a_step_that_ended_another_gateways_prefill_teaches_neither_decode_nor_rate() -> None:
     # Another gateway (or worker) has requests on r1 and r2, prefill queued on both. On r1
     # each prefill step also ended one of its prefills (its count of first tokens there moves
