@@ -61,6 +61,9 @@ prefill rates stray past SPEED_TOLERANCE at times (long prompts prefilled in chu
 their decode steps do not."""
 
 
+Known = tuple[float, dict[str, float]]
+"""The replicas' rates as last worked out: (the median replica's, every known one's)."""
+
 RateSums = tuple[float, float, int, int, float, float, int]
 """What is known of a replica's speed, as decayed sums: of its own prefill rate (uncached
 tokens, seconds, samples, of which from steps that left nothing queued), then of its
@@ -108,7 +111,8 @@ class StepTimer:
     step outweigh cache hits and queues.
     """
 
-    __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_references",
+    __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
+                 "_decode_sides",
                  "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
                  "_remote_pool", "_remote_rates", "_replicas", "_unknown_speed")
 
@@ -124,12 +128,15 @@ class StepTimer:
         # What other gateways learned of the pool's rate: (tokens, seconds, samples), summed.
         self._remote_pool: tuple[float, float, int] | None = None
         self._decode = DecodeFit()
-        self._reference: float | None = None  # the median replica's own rate, when fresh
+        self._reference: Known | None = None  # of the replicas' own rates, when fresh
         self._unknown_speed: float | None = None  # what an unknown replica's speed is, when fresh
         self._busy: dict[str, _Busy] = {}
-        self._busy_reference: float | None = None  # the median replica's busy rate, when fresh
+        self._busy_reference: Known | None = None  # of the busy rates, when fresh
         # (batch, the median replica's decode-only step there), when fresh
-        self._decode_references: dict[int, float] = {}
+        # Each replica's decode-only step at the pool's mean batch, when fresh
+        self._decode_reference: dict[str, float] | None = None
+        # (those lines, the rates they were sided by, {slower: the other side's median})
+        self._decode_sides: tuple[dict[str, float], Known, dict[bool, float]] | None = None
 
     @property
     def rate(self) -> float:
@@ -217,47 +224,62 @@ class StepTimer:
             if self._unknown_speed is None:
                 self._unknown_speed = max([1.0, *map(self.speed, self.replica_rates())])
             return self._unknown_speed
-        reference = self._reference
-        if reference is None:
-            reference = self._reference = statistics.median(self.replica_rates().values())
-        speed = own / reference
+        known = self._reference
+        if known is None:
+            rates = self.replica_rates()
+            known = self._reference = (statistics.median(rates.values()), rates)
+        speed = own / known[0]
         if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
-                replica, speed):
+                replica, speed, known):
             return 1.0
         return speed
 
-    def _decode_agrees(self, replica: str, speed: float) -> bool:
+    def _decode_agrees(self, replica: str, speed: float, known: Known) -> bool:
         """Whether the replica's decode-only steps are `decode_agrees` (DECODE_AGREES) times
-        slower than the median replica's (`speed` below 1) or faster (above 1), at the batch
-        the replica's own decode steps ran (its fit's mean): where its line is measured, not
-        drawn on. True while they cannot tell: the replica's own decode steps not yet known
-        (under a standing queue from the start a replica may show none for minutes), or
-        fewer than three replicas' known; and always with `decode_agrees` at 1 or below.
+        slower (`speed` below 1) than the median of those of the replicas whose rates are at
+        or above the median rate (`known`: the median, then every replica's rate), or faster
+        (above 1) than those at or below it, at the pool's mean batch. True while they
+        cannot tell: the replica's own decode steps not yet known (under a standing queue
+        from the start a replica may show none for minutes), or none of the other side's;
+        and always with `decode_agrees` at 1 or below.
 
-        Compared at the pool's mean batch instead, a slow replica that the pool had rightly
-        kept nearly idle, its line fitted on steps of one or two sequences, was drawn out to
-        the busy replicas' batch of 70 as flat, faster than theirs: its speed went back to 1
-        as the load rose, and the mixed fleet under swinging load queued on its slow half
-        (its first heavy spell 1.2 s to 4.0 s of mean TTFT)."""
+        Against the other side, not every replica: a gateway that has seen the decode steps
+        of two fast replicas and one slow one of two (three gateways on a mixed fleet each
+        see a share of the steps) took a fast one for the median, and its fast replicas for
+        no faster than it. A replica whose own decode steps all ran at about one batch has no
+        slope of its own; its line takes the pool's. Drawn flat instead, a slow replica that
+        the pool had rightly kept nearly idle (steps of one or two sequences) looked as fast
+        at the busy replicas' batch of 70 as they were: its speed went back to 1 as the load
+        rose, and the mixed fleet under swinging load queued on its slow half (its first
+        heavy spell 1.2 s to 4.0 s of mean TTFT)."""
         agrees = self._agree_factor
         r = self._replicas.get(replica)
         if agrees <= 1.0 or r is None:
             return True
-        mean_batch = r.decode.mean_batch()
-        if mean_batch is None:
+        lines = self._decode_reference
+        if lines is None:
+            batch = round(self._decode.mean_batch() or 1.0)
+            slope = self._decode.slope()
+            lines = self._decode_reference = {
+                name: d for name, s in self._replicas.items()
+                if (d := s.decode.predict(batch, slope)) is not None and d > 0.0}
+        own = lines.get(replica)
+        if own is None:
             return True
-        batch = max(1, round(mean_batch))
-        reference = self._decode_references.get(batch)
-        if reference is None:
-            fits = [d for s in self._replicas.values()
-                    if (d := s.decode.predict(batch)) is not None and d > 0.0]
-            reference = self._decode_references[batch] = (
-                statistics.median(fits) if len(fits) >= 3 else 0.0)
-        own = r.decode.predict(batch)
-        if own is None or own <= 0.0 or reference <= 0.0:
+        slower = speed < 1.0
+        sides = self._decode_sides
+        if sides is None or sides[0] is not lines or sides[1] is not known:
+            sides = self._decode_sides = (lines, known, {})
+        side = sides[2].get(slower)
+        if side is None:
+            reference, rates = known
+            other = [d for name, d in lines.items() if (rate := rates.get(name)) is not None
+                     and (rate >= reference if slower else rate <= reference)]
+            side = sides[2][slower] = statistics.median(other) if other else 0.0
+        if side <= 0.0:
             return True
-        ratio = own / reference
-        return ratio >= agrees if speed < 1.0 else ratio <= 1 / agrees
+        ratio = own / side
+        return ratio >= agrees if slower else ratio <= 1 / agrees
 
     def busy_speed(self, replica: str) -> float | None:
         """The replica's prefill throughput while busy over the median replica's, or None
@@ -278,15 +300,15 @@ class StepTimer:
         own = self._busy_rate(replica)
         if own is None:
             return None
-        reference = self._busy_reference
-        if reference is None:
+        known = self._busy_reference
+        if known is None:
             names = (self._busy.keys() | self._remote_rates.keys() if self._remote_rates
                      else self._busy.keys())
-            reference = self._busy_reference = statistics.median(
-                rate for name in names if (rate := self._busy_rate(name)) is not None)
-        speed = own / reference
+            rates = {name: rate for name in names if (rate := self._busy_rate(name)) is not None}
+            known = self._busy_reference = (statistics.median(rates.values()), rates)
+        speed = own / known[0]
         if 1 / SPEED_TOLERANCE < speed < SPEED_TOLERANCE or not self._decode_agrees(
-                replica, speed):
+                replica, speed, known):
             return 1.0
         return speed
 
@@ -409,8 +431,7 @@ class StepTimer:
             own = r.decode.predict(batch)
             if not r.awaiting or own is None or length <= DECODE_ONLY_FACTOR * own:
                 r.decode.observe(batch, length)
-                self._decode_references.clear()
-                self._unknown_speed = None
+                self._decode_reference = self._unknown_speed = None
             return
         if r.prefill is None:
             return
@@ -505,8 +526,7 @@ class StepTimer:
         self._replicas.pop(replica, None)
         self._remote_rates.pop(replica, None)
         self._busy.pop(replica, None)
-        self._reference = self._busy_reference = None
-        self._decode_references.clear()
+        self._reference = self._busy_reference = self._decode_reference = None
         self._unknown_speed = None
 
     def remaining(self, replica: str, now: float, decode_only: bool = False) -> float:
@@ -619,13 +639,26 @@ class DecodeFit:
         """The mean batch of the steps fitted, decayed as they are (None before any)."""
         return self._sx / self._n if self._n >= 1.0 else None
 
-    def predict(self, batch: int) -> float | None:
+    def slope(self) -> float | None:
+        """Seconds per sequence of the fitted line (None before its batches have varied)."""
+        n = self._n
+        if n < 1.0:
+            return None
+        mean_x = self._sx / n
+        var = self._sxx / n - mean_x * mean_x
+        if var < 1.0:
+            return None
+        return max(0.0, (self._sxy / n - mean_x * self._sy / n) / var)
+
+    def predict(self, batch: int, flat_slope: float | None = None) -> float | None:
+        """The step's length at `batch`; where the batches fitted barely varied, the line
+        has `flat_slope` (none: flat)."""
         n = self._n
         if n < 1.0:
             return None
         mean_x, mean_y = self._sx / n, self._sy / n
         var = self._sxx / n - mean_x * mean_x
         if var < 1.0:  # batches barely varied: no slope to trust
-            return mean_y
+            return mean_y + (flat_slope or 0.0) * (batch - mean_x)
         slope = max(0.0, (self._sxy / n - mean_x * mean_y) / var)
         return mean_y + slope * (batch - mean_x)

@@ -778,10 +778,10 @@ def test_a_replica_slower_only_at_prefill_is_scatter_not_a_slower_replica() -> N
 def test_a_slow_replica_kept_nearly_idle_stays_slow_as_the_others_batches_grow() -> None:
     # r0-r2 fill up: every request they prefill keeps decoding, and a decode step lasts 20 ms
     # plus 1 ms per sequence (21 to 80 ms over 60 requests). r3 is four times slower at
-    # prefill, decodes in 45 ms, and has served a few requests, its batch small. At r3's
-    # batch its decode steps are twice the others': it is slower, and its speed says so.
-    # Compared at the pool's mean batch, about 30, its line (drawn flat from small batches)
-    # looked as fast as theirs, and its speed went back to 1 as the load rose.
+    # prefill and decodes in 45 ms at a batch of one or two, twice the others' there: it is
+    # slower, and its speed says so. Its line, with no slope of its own, takes the pool's;
+    # drawn flat to the pool's mean batch, about 30, it looked as fast as theirs, and its
+    # speed went back to 1 as the load rose.
     load = LoadTracker()
     for name in ("r0", "r1", "r2"):
         load.dispatched(name, 0.0)
@@ -797,7 +797,20 @@ def test_a_slow_replica_kept_nearly_idle_stays_slow_as_the_others_batches_grow()
             t += 0.02 + 0.001 * load.batch(name) + 0.05  # and 1,000 tokens at 20,000/s
             load.chunk(name, t)
             load.first_token(name, 1000.0, t, dispatched_at=sent_at)
-    feed_replica(load, "r3", 6, 0.045, 0.2)
+    load.dispatched("r3", 0.0)  # one long stream; each request prefilled there finishes
+    t = 0.0
+    load.chunk("r3", t)
+    for _ in range(6):
+        t += 0.045
+        load.chunk("r3", t)
+        sent_at = t + 0.001
+        load.dispatched("r3", 1000.0)
+        t += 0.045
+        load.chunk("r3", t)
+        t += 0.045 + 0.2
+        load.chunk("r3", t)
+        load.first_token("r3", 1000.0, t, dispatched_at=sent_at)
+        load.finished("r3", 1000.0, saw_first_token=True)
     assert load.steps.replica_rate("r3") == pytest.approx(5_000.0, rel=0.02)
     assert load.view("r3").speed == pytest.approx(0.25, rel=0.05)
     assert load.view("r0").speed == 1.0
