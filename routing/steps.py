@@ -100,8 +100,9 @@ class StepTimer:
     it; `LoadTracker.view` prices that wait in prompt tokens at the engines' prefill rate.
     Step times are per replica; the rate and the decode-step fit are pool-wide, since a pool's
     replicas run one model. Each replica also learns its own rate, from its own steps less its
-    own decode-only steps, so that `speed` can tell a replica on a slower accelerator (or a
-    throttled or shared one) from the rest of its pool.
+    own decode-only steps and from a lone cold prompt sent to it while idle, timed whole
+    (IDLE_PREFILL_MIN_TOKENS), so that `speed` can tell a replica on a slower accelerator (or
+    a throttled or shared one) from the rest of its pool.
 
     The rate is configured, or learned: a step that ends with the first token of requests
     dispatched no earlier than during the step before, or that follows a decode-only step,
@@ -112,9 +113,8 @@ class StepTimer:
     """
 
     __slots__ = ("_agree_factor", "_busy", "_busy_reference", "_decode", "_decode_reference",
-                 "_decode_sides",
-                 "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens", "_reference",
-                 "_remote_pool", "_remote_rates", "_replicas", "_unknown_speed")
+                 "_decode_sides", "_fixed_rate", "_rate_samples", "_rate_seconds", "_rate_tokens",
+                 "_reference", "_remote_pool", "_remote_rates", "_replicas", "_unknown_speed")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  decode_agrees: float = DECODE_AGREES) -> None:
@@ -132,7 +132,6 @@ class StepTimer:
         self._unknown_speed: float | None = None  # what an unknown replica's speed is, when fresh
         self._busy: dict[str, _Busy] = {}
         self._busy_reference: Known | None = None  # of the busy rates, when fresh
-        # (batch, the median replica's decode-only step there), when fresh
         # Each replica's decode-only step at the pool's mean batch, when fresh
         self._decode_reference: dict[str, float] | None = None
         # (those lines, the rates they were sided by, {slower: the other side's median})
