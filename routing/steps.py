@@ -43,6 +43,11 @@ requests taught nothing, and at light load a mixed fleet's sessions were placed 
 seconds, on the slow half as often as not, and stayed there for their cache. The sample also
 holds one step's fixed cost and the round trip (5 ms or so): at this length that is a
 fifth of the time at most on a fast replica, and a slow one pays it too."""
+IDLE_PREFILL_MIN_S = 0.02
+"""Nor one that took less than this: the round trip and the gateway's event loop jitter by
+milliseconds on a busy host, and a single sample of a few milliseconds could make one of two
+equal replicas look twice as fast as the other (replicas that answer at once, in a test on a
+loaded machine, gave the shadow gateway false speeds)."""
 BUSY_MIN_SAMPLES = 10
 """First tokens needed before a replica's throughput while busy (`busy_speed`) is used: each
 sample also holds the decode work of the steps between, which makes it noisier."""
@@ -473,7 +478,8 @@ class StepTimer:
             # The last request sent there found it idle, and it is the only one there now
             # (`batch`, as the chunks of this first token's step found it): this request. Its
             # step began the run (no step ended there since it was sent).
-            if (cold and r.batch == 1 and r.prev_end is None and r.last_end > dispatched_at
+            if (cold and r.batch == 1 and r.prev_end is None
+                    and r.last_end - dispatched_at >= IDLE_PREFILL_MIN_S
                     and uncached_tokens >= IDLE_PREFILL_MIN_TOKENS):
                 self._idle_prefill(r, uncached_tokens, r.last_end - dispatched_at)
         r.firsts += 1
