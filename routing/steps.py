@@ -257,8 +257,7 @@ class StepTimer:
         rose, and the mixed fleet under swinging load queued on its slow half (its first
         heavy spell 1.2 s to 4.0 s of mean TTFT)."""
         agrees = self._agree_factor
-        r = self._replicas.get(replica)
-        if agrees <= 1.0 or r is None:
+        if agrees <= 1.0:
             return True
         lines = self._decode_reference
         if lines is None:
@@ -446,13 +445,7 @@ class StepTimer:
             self._rate_samples += 1
         own = r.decode.predict(batch)
         if own is not None and length > own:
-            keep = 1.0 - 1.0 / DECAY_SAMPLES
-            r.rate_tokens = r.rate_tokens * keep + r.prefill
-            r.rate_seconds = r.rate_seconds * keep + (length - own)
-            r.rate_samples += 1
-            if r.left_alone:
-                r.alone_samples += 1
-            self._reference = self._unknown_speed = None
+            self._own_sample(r, r.prefill, length - own, 1 if r.left_alone else 0)
 
     def dispatched(self, replica: str, idle: bool) -> None:
         """A request was sent to the replica; `idle`: nothing was in flight there, this
@@ -481,7 +474,8 @@ class StepTimer:
             if (cold and r.batch == 1 and r.prev_end is None
                     and r.last_end - dispatched_at >= IDLE_PREFILL_MIN_S
                     and uncached_tokens >= IDLE_PREFILL_MIN_TOKENS):
-                self._idle_prefill(r, uncached_tokens, r.last_end - dispatched_at)
+                self._own_sample(r, uncached_tokens, r.last_end - dispatched_at,
+                                 SPEED_ALONE_SAMPLES)
         r.firsts += 1
         r.left_alone = alone
         if r.prefill is not None and (dispatched_at >= _step_before_began(r)
@@ -494,13 +488,15 @@ class StepTimer:
         else:
             r.prefill = None
 
-    def _idle_prefill(self, r: _Steps, uncached_tokens: float, seconds: float) -> None:
-        """A lone cold prefill on an idle replica took `seconds` (IDLE_PREFILL_MIN_TOKENS)."""
+    def _own_sample(self, r: _Steps, uncached_tokens: float, seconds: float,
+                    alone: int) -> None:
+        """The replica computed `uncached_tokens` in `seconds`: a sample of its own rate,
+        worth `alone` samples from steps that left nothing queued (SPEED_ALONE_SAMPLES)."""
         keep = 1.0 - 1.0 / DECAY_SAMPLES
         r.rate_tokens = r.rate_tokens * keep + uncached_tokens
         r.rate_seconds = r.rate_seconds * keep + seconds
         r.rate_samples += 1
-        r.alone_samples += SPEED_ALONE_SAMPLES
+        r.alone_samples += alone
         self._reference = self._unknown_speed = None
 
     def _busy_done(self, replica: str, uncached_tokens: float, now: float,
@@ -644,26 +640,30 @@ class DecodeFit:
         """The mean batch of the steps fitted, decayed as they are (None before any)."""
         return self._sx / self._n if self._n >= 1.0 else None
 
-    def slope(self) -> float | None:
-        """Seconds per sequence of the fitted line (None before its batches have varied)."""
-        n = self._n
-        if n < 1.0:
-            return None
-        mean_x = self._sx / n
-        var = self._sxx / n - mean_x * mean_x
-        if var < 1.0:
-            return None
-        return max(0.0, (self._sxy / n - mean_x * self._sy / n) / var)
-
-    def predict(self, batch: int, flat_slope: float | None = None) -> float | None:
-        """The step's length at `batch`; where the batches fitted barely varied, the line
-        has `flat_slope` (none: flat)."""
+    def _line(self) -> tuple[float, float, float | None] | None:
+        """(mean batch, mean step, seconds per sequence or None where the batches fitted
+        barely varied: no slope to trust), None before any step."""
         n = self._n
         if n < 1.0:
             return None
         mean_x, mean_y = self._sx / n, self._sy / n
         var = self._sxx / n - mean_x * mean_x
-        if var < 1.0:  # batches barely varied: no slope to trust
-            return mean_y + (flat_slope or 0.0) * (batch - mean_x)
-        slope = max(0.0, (self._sxy / n - mean_x * mean_y) / var)
+        if var < 1.0:
+            return mean_x, mean_y, None
+        return mean_x, mean_y, max(0.0, (self._sxy / n - mean_x * mean_y) / var)
+
+    def slope(self) -> float | None:
+        """Seconds per sequence of the fitted line (None before its batches have varied)."""
+        line = self._line()
+        return None if line is None else line[2]
+
+    def predict(self, batch: int, flat_slope: float | None = None) -> float | None:
+        """The step's length at `batch`; where the batches fitted barely varied, the line
+        has `flat_slope` (none: flat)."""
+        line = self._line()
+        if line is None:
+            return None
+        mean_x, mean_y, slope = line
+        if slope is None:
+            slope = flat_slope or 0.0
         return mean_y + slope * (batch - mean_x)

@@ -704,23 +704,28 @@ def test_prefix_affinity_prices_the_drained_queue_when_asked(drain: bool) -> Non
 
 
 def feed_replica(load: LoadTracker, name: str, cycles: int, decode_s: float,
-                 prefill_s: float, tokens: float = 1000.0, start: float = 0.0) -> None:
-    """A fake clock for one replica: a long stream keeps it decoding in steps of `decode_s`;
-    every third step also prefills a request of `tokens` sent while the step before ran, and
-    lasts `decode_s + prefill_s`."""
+                 prefill_s: float, tokens: float = 1000.0, start: float = 0.0,
+                 per_seq_s: float = 0.0, finish: bool = False) -> None:
+    """A fake clock for one replica: a long stream keeps it decoding in steps of `decode_s`
+    plus `per_seq_s` per request in flight; every third step also prefills a request of
+    `tokens` sent while the step before ran, and lasts `prefill_s` more. Each such request
+    keeps decoding (the batch grows by one a cycle), or with `finish` ends at its first
+    token."""
     load.dispatched(name, 0.0)
     t = start
     load.chunk(name, t)
     for _ in range(cycles):
-        t += decode_s
+        t += decode_s + per_seq_s * load.batch(name)
         load.chunk(name, t)
         sent_at = t + 0.001
         load.dispatched(name, tokens)
-        t += decode_s
+        t += decode_s + per_seq_s * load.batch(name)
         load.chunk(name, t)
-        t += decode_s + prefill_s
+        t += decode_s + per_seq_s * load.batch(name) + prefill_s
         load.chunk(name, t)
         load.first_token(name, tokens, t, dispatched_at=sent_at)
+        if finish:
+            load.finished(name, tokens, saw_first_token=True)
 
 
 def test_a_configured_prefill_rate_is_not_shared_as_a_learned_one() -> None:
@@ -783,34 +788,9 @@ def test_a_slow_replica_kept_nearly_idle_stays_slow_as_the_others_batches_grow()
     # drawn flat to the pool's mean batch, about 30, it looked as fast as theirs, and its
     # speed went back to 1 as the load rose.
     load = LoadTracker()
-    for name in ("r0", "r1", "r2"):
-        load.dispatched(name, 0.0)
-        t = 0.0
-        load.chunk(name, t)
-        for _ in range(60):
-            t += 0.02 + 0.001 * load.batch(name)
-            load.chunk(name, t)
-            sent_at = t + 0.001
-            load.dispatched(name, 1000.0)
-            t += 0.02 + 0.001 * load.batch(name)
-            load.chunk(name, t)
-            t += 0.02 + 0.001 * load.batch(name) + 0.05  # and 1,000 tokens at 20,000/s
-            load.chunk(name, t)
-            load.first_token(name, 1000.0, t, dispatched_at=sent_at)
-    load.dispatched("r3", 0.0)  # one long stream; each request prefilled there finishes
-    t = 0.0
-    load.chunk("r3", t)
-    for _ in range(6):
-        t += 0.045
-        load.chunk("r3", t)
-        sent_at = t + 0.001
-        load.dispatched("r3", 1000.0)
-        t += 0.045
-        load.chunk("r3", t)
-        t += 0.045 + 0.2
-        load.chunk("r3", t)
-        load.first_token("r3", 1000.0, t, dispatched_at=sent_at)
-        load.finished("r3", 1000.0, saw_first_token=True)
+    for name in ("r0", "r1", "r2"):  # 1,000 tokens at 20,000/s
+        feed_replica(load, name, 60, 0.02, 0.05, per_seq_s=0.001)
+    feed_replica(load, "r3", 6, 0.045, 0.2, finish=True)
     assert load.steps.replica_rate("r3") == pytest.approx(5_000.0, rel=0.02)
     assert load.view("r3").speed == pytest.approx(0.25, rel=0.05)
     assert load.view("r0").speed == 1.0

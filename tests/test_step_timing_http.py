@@ -59,7 +59,7 @@ def test_a_mixed_fleets_speeds_are_known_once_each_replica_served_one_cold_promp
     # the first token), sent only once the one before has finished: every replica is idle
     # when a request reaches it. Timed from dispatch to first token, one such request is the
     # replica's prefill whole, and gives its own rate; from engine steps alone it took five.
-    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=[0.5, 2.0], profile=PROFILE)
+    sims = start_sims(["vllm", "vllm"], tmp_path, time_scale=[1.0, 4.0], profile=PROFILE)
     try:
         gw = start_gateway(one_pool_config(sims.urls, processes.free_ports(1)[0],
                                            models=("tiny",)), tmp_path)
