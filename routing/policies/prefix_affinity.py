@@ -160,7 +160,9 @@ class PrefixAffinity(Policy):
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
     4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting
-       the step wait), the replica with the least step wait plus `balance_weight` times the
+       the step wait, and pricing requests in flight at `tie_inflight_tokens`: between
+       replicas holding as much, a decoding sequence costs the request only its share of a
+       step), the replica with the least step wait plus `balance_weight` times the
        uncached prefill it recently received wins (with `balance_horizon` > 0, a decaying
        per-replica sum), else the rendezvous owner of the prefix key. The wait is what the
        request itself waits; the recent prefill, weighed lightly, keeps prefill work even
