@@ -318,15 +318,19 @@ def where_equal_holders_send(tie_inflight_tokens: float | None, held: bool) -> s
     return router.route(router.request_from_text(prefix + "q" * 256), views).replica
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["cold", "held by both"])
-def test_between_equal_holders_the_step_that_ends_soonest_beats_fewer_decoding(
-        held: bool) -> None:
+def test_between_equal_holders_the_step_that_ends_soonest_beats_fewer_decoding() -> None:
     # Two more sequences decoding on "x" lengthen the request's prefill step by a few
     # milliseconds; "y"'s step ends 58 ms later. At the tie price (32 tokens each) both are
     # ties and the step wait decides; at the full in-flight price (256 each, 768 tokens
     # apart at the idle fleet's weight) "x" was no tie.
-    assert where_equal_holders_send(32.0, held) == "x"
-    assert where_equal_holders_send(None, held) == "y"
+    assert where_equal_holders_send(32.0, held=True) == "x"
+    assert where_equal_holders_send(None, held=True) == "y"
+
+
+def test_a_cold_request_keeps_the_full_in_flight_price() -> None:
+    # Held by none, the request may start a session whose later turns follow it: the requests
+    # in flight stand for the sessions each replica serves, and "y" with fewer wins.
+    assert where_equal_holders_send(32.0, held=False) == "y"
 
 
 def test_a_holder_with_more_in_flight_still_loses_to_an_idle_non_holder() -> None:
@@ -417,8 +421,8 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
 def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> str:
     """After a window in which "x" took most of the prefill: where a prompt longer than any
     replica's share of the window goes, with "x" idle and nothing in flight, "y" idle with 3
-    requests decoding and its engine step ending in 100 ms (1,000 tokens), and "z" with prefill
-    queued; cold, or with its first `x_holds_chars` characters held by "x"."""
+    requests decoding and "z" with prefill queued; cold, or with its first `x_holds_chars`
+    characters held by "x"."""
     router = Router(["x", "y", "z"], capped(time_cap), block_chars=128)
     prompt = "long" * 10_000
     if x_holds_chars:
@@ -428,7 +432,7 @@ def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> 
     for i in range(12):
         assert router.route(router.request_from_text(f"a{i:04d}" * 400),
                             x_cheapest).replica == "x"
-    views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3, step_wait_tokens=1000.0),
+    views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3),
              ReplicaView(name="z", pending_prefill_tokens=5000.0)]
     return router.route(router.request_from_text(prompt), views).replica
 

@@ -121,10 +121,11 @@ class PrefixAffinitySettings(PolicySettings):
         "balance_horizon > 0")
     tie_inflight_tokens: float | None = Field(
         32.0, ge=0.0, description="queue tokens counted per request in flight when ties "
-        "among equally long matches are judged, in place of inflight_tokens: between replicas "
-        "holding as much of the prompt, a decoding sequence costs the request only its share "
+        "among replicas holding as much of the prompt (more than none of it) are judged, in "
+        "place of inflight_tokens: there a decoding sequence costs the request only its share "
         "of each step that prefills it, while inflight_tokens prices the pile-up a held "
-        "prefix draws (None: inflight_tokens)")
+        "prefix draws and, for a cold request, the sessions a replica already serves (None: "
+        "inflight_tokens)")
     time_cap_mixed_speeds: bool = Field(False, description="hold a fleet of mixed speeds "
                                         "(own_speed_spread) to time_cap too: its slow "
                                         "replicas then take their share of the prompt work "
@@ -159,15 +160,14 @@ class PrefixAffinity(Policy):
        work only between steps.
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
-    4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting
-       the step wait, and pricing requests in flight at `tie_inflight_tokens`: between
-       replicas holding as much, a decoding sequence costs the request only its share of a
-       step), the replica with the least step wait plus `balance_weight` times the
-       uncached prefill it recently received wins (with `balance_horizon` > 0, a decaying
-       per-replica sum), else the rendezvous owner of the prefix key. The wait is what the
-       request itself waits; the recent prefill, weighed lightly, keeps prefill work even
-       when cold prompts vary in length; rendezvous makes independent gateways agree on a
-       cold prefix's home.
+    4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting the step
+       wait, and, when they hold some of the prompt, pricing requests in flight at
+       `tie_inflight_tokens`: between replicas holding as much, a decoding sequence costs the
+       request only its share of a step), the replica with the least step wait plus `balance_weight`
+       times the uncached prefill it recently received wins (with `balance_horizon` > 0, a decaying
+       per-replica sum), else the rendezvous owner of the prefix key. The wait is what the request
+       itself waits; the recent prefill, weighed lightly, keeps prefill work even when cold prompts
+       vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
        With `wait_first`, the step wait first and the recent prefill second.
     With `time_cap` (1.15 by default), before step 3, replicas whose recent prefill time is
     past the cap are left out while one under it is idle: on equal replicas balance by time
@@ -270,8 +270,9 @@ class PrefixAffinity(Policy):
             uncached_cost = ((uncached + self.own_speed_step_tokens) / speed ** own_exponent
                              if own else uncached)
             cost = uncached_cost + w * queue + wait
-            # Without the step wait, and the requests in flight at the tie price.
-            tie_cost = cost - wait if tie_per_request is None else (
+            # Without the step wait, and the requests in flight at the tie price (read only
+            # when the replicas tie on a match longer than zero).
+            tie_cost = 0.0 if tie_per_request is None else (
                 uncached_cost + w * (pending + tie_per_request * r.inflight) / speed)
             eligible = r.inflight < bound
             if not eligible and allowance is not None:
@@ -310,12 +311,19 @@ class PrefixAffinity(Policy):
         longest = [row for row in near if row[1] == top]
         # Ties are judged without the step wait, which changes from one millisecond to the
         # next: it must not keep balancing from seeing the replicas that are really even.
-        # Nor at the full in-flight price: among replicas holding as much of the prompt, one
-        # more decoding sequence costs the request a millisecond or two a step, and the full
-        # price sent it past a step ending sooner, or past a shorter queue, to a replica with
-        # fewer in flight (RAGPulse and Azure conv at 32 replicas: 5% behind the oracle).
-        cheapest = min(row[7] for row in longest)
-        ties = [row for row in longest if row[7] <= cheapest + self.tie_tokens]
+        # Nor, among replicas holding as much of a prompt some of them hold, at the full
+        # in-flight price: one more decoding sequence costs the request a millisecond or two a
+        # step, and the full price sent it past a step ending sooner, or past a shorter queue,
+        # to a replica with fewer in flight (RAGPulse at 32 replicas: 5% behind the oracle).
+        # A cold request keeps the full price: it may start a session whose later turns follow
+        # it, and the requests in flight stand for those a replica already serves.
+        if top > 0 and self.tie_inflight_tokens is not None:
+            tie_costs = [row[7] for row in longest]
+        else:
+            tie_costs = [row[0] - row[6] for row in longest]
+        cheapest = min(tie_costs)
+        ties = [row for row, tie_cost in zip(longest, tie_costs, strict=True)
+                if tie_cost <= cheapest + self.tie_tokens]
         if len(ties) > 1 and self.wait_first:
             # The step wait is what this request itself waits; the recent prefill, a guess at
             # what later ones will (in tokens summed over the window, it outweighed any wait).
