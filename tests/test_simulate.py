@@ -251,6 +251,27 @@ def test_shadow_oracle_logs_both_choices_for_every_request() -> None:
     assert "agree" in summary(rows)
 
 
+def test_shadow_oracle_tells_losses_between_equal_holders_with_nothing_queued() -> None:
+    from loadtests.experiments.shadow_oracle import summary
+
+    def row(kind: str, cached: tuple[int, int], pending: tuple[int, int],
+            inflight: tuple[int, int], est: tuple[float, float]) -> dict[str, object]:
+        return {"kind": kind, "routed_cached": cached[0], "oracle_cached": cached[1],
+                "routed_pending": pending[0], "oracle_pending": pending[1],
+                "routed_inflight": inflight[0], "oracle_inflight": inflight[1],
+                "routed_est_s": est[0], "oracle_est_s": est[1], "routed_believed": cached[0]}
+
+    rows = [row("queue", (512, 512), (0, 0), (1, 3), (0.30, 0.26)),  # to fewer in flight
+            row("queue", (512, 512), (0, 0), (4, 2), (0.30, 0.28)),  # to more
+            row("queue", (0, 0), (900, 0), (1, 3), (0.50, 0.30)),  # a queue on one side
+            row("queue", (0, 512), (0, 0), (1, 3), (0.50, 0.30)),  # held unequally
+            row("agree", (0, 0), (0, 0), (0, 0), (0.20, 0.20))]
+    text = summary(rows)
+    # Per request of all five: (0.04 + 0.02) / 5 and 0.04 / 5.
+    assert "nothing pending on either: 2, 0.0120 s" in text
+    assert "to fewer in flight than the oracle's: 1, 0.0080 s" in text
+
+
 def test_shadow_oracle_runs_on_a_fleet_of_mixed_speeds() -> None:
     from backends.sim.fleet_spec import fleet_profiles
     from loadtests.experiments.shadow_oracle import main, run

@@ -143,6 +143,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["kind          requests  share  est. TTFT given up (s, per request of all)"]
     for kind in ("agree", "equal", "hit lost", "phantom hit", "queue"):
         lines.append(f"{kind:<13} {count[kind]:>8}  {count[kind] / n:5.3f}  {cost[kind] / n:.4f}")
+    # The queue kind's part between equal holders with nothing queued on either side: there
+    # only the requests in flight and the step in flight tell the replicas apart.
+    even = [r for r in rows if r["kind"] == "queue" and r["routed_cached"] == r["oracle_cached"]
+            and r["routed_pending"] == 0 and r["oracle_pending"] == 0]
+    fewer = [r for r in even if r["routed_inflight"] < r["oracle_inflight"]]
+    lines.append(f"  of queue, as much held and nothing pending on either: {len(even)}, "
+                 f"{sum(r['routed_est_s'] - r['oracle_est_s'] for r in even) / n:.4f} s; "
+                 f"to fewer in flight than the oracle's: {len(fewer)}, "
+                 f"{sum(r['routed_est_s'] - r['oracle_est_s'] for r in fewer) / n:.4f} s")
     phantom = sum(max(0.0, r["routed_believed"] - r["routed_cached"]) for r in rows)
     cached = sum(r["routed_cached"] for r in rows)
     lines.append(f"index believed {phantom / n:.0f} tokens per request more than the engine "
