@@ -160,14 +160,15 @@ class PrefixAffinity(Policy):
        work only between steps.
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
        among them wins: a hit is worth a little queueing, not a lot.
-    4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting the step
-       wait, and, when they hold some of the prompt, pricing requests in flight at
+    4. Among equally long matches within `tie_tokens` of the cheapest of them (not counting the
+       step wait, and, when they hold some of the prompt, pricing requests in flight at
        `tie_inflight_tokens`: between replicas holding as much, a decoding sequence costs the
-       request only its share of a step), the replica with the least step wait plus `balance_weight`
-       times the uncached prefill it recently received wins (with `balance_horizon` > 0, a decaying
-       per-replica sum), else the rendezvous owner of the prefix key. The wait is what the request
-       itself waits; the recent prefill, weighed lightly, keeps prefill work even when cold prompts
-       vary in length; rendezvous makes independent gateways agree on a cold prefix's home.
+       request only its share of a step), the replica with the least step wait plus
+       `balance_weight` times the uncached prefill it recently received wins (with
+       `balance_horizon` > 0, a decaying per-replica sum), else the rendezvous owner of the
+       prefix key. The wait is what the request itself waits; the recent prefill, weighed
+       lightly, keeps prefill work even when cold prompts vary in length; rendezvous makes
+       independent gateways agree on a cold prefix's home.
        With `wait_first`, the step wait first and the recent prefill second.
     With `time_cap` (1.15 by default), before step 3, replicas whose recent prefill time is
     past the cap are left out while one under it is idle: on equal replicas balance by time
