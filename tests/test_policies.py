@@ -327,6 +327,22 @@ def test_between_equal_holders_the_step_that_ends_soonest_beats_fewer_decoding()
     assert where_equal_holders_send(None, held=True) == "y"
 
 
+def test_behind_queues_everywhere_equal_holders_are_judged_at_the_full_price() -> None:
+    # Every replica has prefill queued: the request waits behind it, not for the step, and
+    # the requests in flight stand for work whose drain is only estimated. Five more on "x"
+    # at the busy fleet's weight (0.5 x 256 each) are past tie_tokens; at the tie price they
+    # were not, and the step wait sent the request to "x".
+    router = Router(["x", "y"], build_policy("prefix_affinity", {}), block_chars=128)
+    prefix = "p" * 4096
+    for name in ("x", "y"):
+        router.record(name, router.request_from_text(prefix).hashes)
+    views = [ReplicaView(name="x", inflight=6, step_wait_tokens=20.0,
+                         pending_prefill_tokens=200.0),
+             ReplicaView(name="y", inflight=1, step_wait_tokens=600.0,
+                         pending_prefill_tokens=200.0)]
+    assert router.route(router.request_from_text(prefix + "q" * 256), views).replica == "y"
+
+
 def test_a_cold_request_keeps_the_full_in_flight_price() -> None:
     # Held by none, the request may start a session whose later turns follow it: the requests
     # in flight stand for the sessions each replica serves, and "y" with fewer wins.
