@@ -250,10 +250,9 @@ class PrefixAffinity(Policy):
         # yet learned, took 1.23 of the mean prefill time on tenants near saturation at the
         # tie price throughout).
         tie_per_request = self.tie_inflight_tokens
-        if tie_per_request is not None and own:
-            tie_per_request *= busy
-        elif tie_per_request is not None:
-            tie_per_request += (self.inflight_tokens - tie_per_request) * busy
+        if tie_per_request is not None:
+            tie_per_request = (tie_per_request * busy if own else
+                               tie_per_request + (self.inflight_tokens - tie_per_request) * busy)
         self._decisions += 1
 
         allowance = self.match_allowance_tokens
@@ -326,7 +325,7 @@ class PrefixAffinity(Policy):
         # to a replica with fewer in flight (RAGPulse at 32 replicas: 5% behind the oracle).
         # A cold request keeps the full price: it may start a session whose later turns follow
         # it, and the requests in flight stand for those a replica already serves.
-        if top > 0 and self.tie_inflight_tokens is not None:
+        if top > 0 and tie_per_request is not None:
             tie_costs = [row[7] for row in longest]
         else:
             tie_costs = [row[0] - row[6] for row in longest]
