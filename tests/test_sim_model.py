@@ -123,6 +123,21 @@ def test_queueing_raises_ttft_under_concurrency() -> None:
     assert engine.stats().request_success == 6
 
 
+def test_prefill_time_runs_from_scheduling_to_first_token() -> None:
+    engine = EngineModel(PROFILES["llama-8b-h200"], 1_000_000, BT, max_running=2)
+    for i in range(6):
+        engine.submit(f"r{i}", _hashes(f"p{i}", 64), 64 * BT, 8, now=0.0)
+    events = _run(engine)
+    hs = engine.histograms
+    s = engine.stats()
+    # Arrival to first token splits into waiting then prefill; queueing must not leak in.
+    ttft_sum = sum(_ttft(events, f"r{i}", 0.0) for i in range(6))
+    assert hs["queue_time"].sum > 0
+    assert s.prefill_time_sum == pytest.approx(ttft_sum - hs["queue_time"].sum)
+    assert s.prefill_time_count == hs["prefill_time"].count == 6
+    assert s.prefill_time_sum == hs["prefill_time"].sum < ttft_sum
+
+
 def test_chunked_prefill_budget_queues_prefill_within_a_step() -> None:
     engine = EngineModel(PROFILES["qwen-32b-h200"], 1_000_000, BT, max_batched_tokens=2048)
     engine.submit("long", _hashes("l", 512), 512 * BT, 2, now=0.0)

@@ -13,6 +13,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.adapters.trtllm import parse_trtllm_prometheus
+from backends.adapters.vllm import parse_vllm_metrics
 from backends.sim.cli import add_sim_arguments, specs_from_args
 from backends.sim.server import SimCluster, SimReplicaSpec, start_sims
 from routing.hashing import char_block_hashes
@@ -344,6 +346,36 @@ async def test_vllm_metrics_follow_the_real_engine_page(
         real_labels = {k for s in real[fam.name].samples for k in s.labels}
         our_labels = {k for s in fam.samples for k in s.labels}
         assert our_labels <= real_labels, (fam.name, our_labels - real_labels)
+
+
+async def test_exported_prefill_counters_parse_back_to_the_engine_counters(
+    cluster: SimCluster, http: aiohttp.ClientSession
+) -> None:
+    """What the gateway learns prefill speed from: computed prompt tokens and prefill time,
+    read back through the adapters from each engine kind's page."""
+    pages = (
+        ("v1", "/metrics", parse_vllm_metrics),
+        ("t0", "/prometheus/metrics", parse_trtllm_prometheus),
+    )
+    for name, path, parse in pages:
+        client = _client(cluster, name)
+        for question in ("What is a cache?", "What is a router?", "Why?"):
+            await client.completions.create(
+                model="tiny", prompt=LONG_PREFIX + question, max_tokens=2
+            )
+        async with http.get(_url(cluster, name, path)) as resp:
+            snap = parse(await resp.text())
+        s = cluster.by_name(name).model.stats()
+        # The shared prefix was cached, so computed tokens are well short of prompt tokens.
+        assert 0 < s.prompt_cached_tokens < s.prompt_tokens
+        assert snap.computed_prompt_tokens == s.prompt_tokens - s.prompt_cached_tokens, name
+        assert (snap.prefill_seconds, snap.prefills) == (
+            s.prefill_time_sum, s.prefill_time_count), name
+        assert snap.prefills == 3 and snap.prefill_seconds > 0
+    await _client(cluster, "t1").completions.create(model="tiny", prompt="x", max_tokens=1)
+    async with http.get(_url(cluster, "t1", "/prometheus/metrics")) as resp:
+        legacy = parse_trtllm_prometheus(await resp.text())
+    assert (legacy.computed_prompt_tokens, legacy.prefills) == (None, None)
 
 
 async def test_stream_disconnect_aborts_the_request(

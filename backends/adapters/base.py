@@ -27,6 +27,12 @@ class EngineSnapshot:
     """Tokens per KV block."""
     num_blocks: int | None = None
     """KV blocks the engine has (its cache capacity)."""
+    computed_prompt_tokens: float | None = None
+    """Cumulative prompt tokens the engine computed (not served from its prefix cache)."""
+    prefill_seconds: float | None = None
+    """Cumulative seconds requests spent in prefill (the prefill-time histogram's sum)."""
+    prefills: float | None = None
+    """How many requests `prefill_seconds` counts (the prefill-time histogram's count)."""
     source: str = ""
     """Which surface or metric-name generation the values came from."""
 

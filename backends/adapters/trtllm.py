@@ -90,6 +90,8 @@ def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
     elif get("prompt_cache_hit_tokens") is not None and get("prompt_tokens") is not None:
         hits, queries = get("prompt_cache_hit_tokens"), get("prompt_tokens")
     max_blocks = get("kv_cache_max_blocks")
+    prompt, cache_hits = get("prompt_tokens"), get("prompt_cache_hit_tokens")
+    computed = prompt - cache_hits if prompt is not None and cache_hits is not None else None
     return EngineSnapshot(
         running=get("num_requests_running"),
         waiting=get("num_requests_waiting"),
@@ -98,6 +100,9 @@ def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
         prefix_query_tokens=queries,
         block_size=int(per_block) if per_block else None,
         num_blocks=int(max_blocks) if max_blocks else None,
+        computed_prompt_tokens=computed,
+        prefill_seconds=get("request_prefill_time_seconds_sum"),
+        prefills=get("request_prefill_time_seconds_count"),
         source="trtllm:prometheus-" + ("trtllm_-names" if prefixed else "bare-names"),
     )
 

@@ -16,6 +16,7 @@ from backends.upstream import Timeouts, Upstream, UpstreamError, fetch_text
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def parse_vllm_metrics(text: str) -> EngineSnapshot:
@@ -24,6 +25,7 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
     block_size: int | None = None
     num_blocks: int | None = None
     engine_count = 0
+    local_compute: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -38,6 +40,12 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
                 blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
                 if blocks and blocks.isdigit():
                     num_blocks = (num_blocks or 0) + int(blocks)
+                continue
+            if name == _BY_SOURCE:
+                # One counter split by a source label; summing it by name would count the
+                # cache hits as computed tokens.
+                if sample.labels.get("source") == "local_compute":
+                    local_compute = (local_compute or 0.0) + sample.value
                 continue
             # Counters appear as NAME_total; the parser keeps that suffix on samples.
             if name.endswith("_total"):
@@ -54,6 +62,14 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
     hits, hits_name = first(_HITS)
     queries, _ = first(_QUERIES)
     engines = max(1, engine_count)
+    # Best: the tokens each request computed in its prefill, observed with its prefill time
+    # (both when it finishes), so that the two cover the same requests between two scrapes.
+    computed = sums.get("vllm:request_prefill_kv_computed_tokens_sum", local_compute)
+    prompt = sums.get("vllm:prompt_tokens")
+    if computed is None and prompt is not None and hits is not None:
+        # Releases before prompt_tokens_by_source. Hits are counted when a request is
+        # scheduled, prompt tokens when its prefill ends, so hits can run ahead.
+        computed = max(0.0, prompt - hits)
     return EngineSnapshot(
         running=sums.get("vllm:num_requests_running"),
         waiting=sums.get("vllm:num_requests_waiting"),
@@ -63,6 +79,9 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         prefix_query_tokens=queries,
         block_size=block_size,
         num_blocks=num_blocks,
+        computed_prompt_tokens=computed,
+        prefill_seconds=sums.get("vllm:request_prefill_time_seconds_sum"),
+        prefills=sums.get("vllm:request_prefill_time_seconds_count"),
         source="vllm:" + ("deprecated-names" if hits_name.startswith("vllm:gpu_") or
                           kv_name.startswith("vllm:gpu_") else "current-names"),
     )

@@ -42,6 +42,7 @@ class _Req:
     arrival: float
     total_blocks: int
     cached_tokens: int = 0
+    scheduled_time: float = 0.0
     first_token_time: float = 0.0
     computed: int = 0
     pinned: int = 0
@@ -217,9 +218,17 @@ class EngineModel:
 
     @property
     def histograms(self) -> dict[str, Histogram]:
-        """Live histograms by name: ttft, e2e, queue_time, tpot (seconds)."""
+        """Live histograms by name: ttft, e2e, queue_time, prefill_time, tpot (seconds), and
+        prefill_computed (tokens each request computed in its prefill)."""
         c = self._c
-        return {"ttft": c.ttft, "e2e": c.e2e, "queue_time": c.queue_time, "tpot": c.tpot}
+        return {
+            "ttft": c.ttft,
+            "e2e": c.e2e,
+            "queue_time": c.queue_time,
+            "prefill_time": c.prefill_time,
+            "prefill_computed": c.prefill_computed,
+            "tpot": c.tpot,
+        }
 
     def stats(self) -> EngineStats:
         c, cache = self._c, self.cache
@@ -237,6 +246,8 @@ class EngineModel:
             ttft_bucket_counts=list(c.ttft.counts),
             ttft_sum=c.ttft.sum,
             ttft_count=c.ttft.count,
+            prefill_time_sum=c.prefill_time.sum,
+            prefill_time_count=c.prefill_time.count,
             pending_prefill_tokens=self._pending_prefill,
             capacity_blocks=cache.capacity_blocks,
             used_blocks=cache.used_blocks,
@@ -307,6 +318,7 @@ class EngineModel:
         req.pinned = matched
         req.reserved = need
         req.state = "prefill"
+        req.scheduled_time = t
         self._c.queue_time.observe(t - req.arrival)
         self._prefilling.append(req)
         self._pending_prefill -= req.cached_tokens
@@ -374,6 +386,8 @@ class EngineModel:
             self._prefilling.remove(req)
             req.first_token_time = t
             c.ttft.observe(t - req.arrival)
+            c.prefill_time.observe(t - req.scheduled_time)
+            c.prefill_computed.observe(req.prompt_tokens - req.cached_tokens)
             c.prompt_tokens += req.prompt_tokens
             c.prompt_cached_tokens += req.cached_tokens
             c.generation_tokens += 1

@@ -154,6 +154,18 @@ class VllmCollector:
             hs["queue_time"],
         )
         yield _hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            lab,
+            hs["prefill_time"],
+        )
+        yield _hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            lab,
+            hs["prefill_computed"],
+        )
+        yield _hist(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
             lab,
@@ -221,6 +233,12 @@ class TrtllmCollector:
         )
         if legacy:
             return
+        yield _hist(
+            "trtllm_request_prefill_time_seconds",
+            "Histogram of time spent in prefill phase for request.",
+            lab,
+            hs["prefill_time"],
+        )
         used, cap = s.used_blocks, s.capacity_blocks
         looked = s.reused_blocks + s.missed_blocks
         hit_rate = s.reused_blocks / looked if looked else 0.0
@@ -228,17 +246,19 @@ class TrtllmCollector:
         yield _counter(
             "trtllm_generation_tokens", "Generation tokens produced.", lab, s.generation_tokens
         )
+        # Counted per request together with trtllm_prompt_tokens (not at admission, as the
+        # cache's own hit counter is), so prompt minus hits never dips below zero mid-prefill.
         yield _counter(
             "trtllm_prompt_cached_tokens",
             "Prompt tokens served from the KV cache.",
             lab,
-            s.prefix_cache_hit_tokens,
+            s.prompt_cached_tokens,
         )
         yield _counter(
             "trtllm_prompt_cache_hit_tokens",
             "Prompt tokens that hit the KV cache.",
             lab,
-            s.prefix_cache_hit_tokens,
+            s.prompt_cached_tokens,
         )
         yield _counter("trtllm_request_error", "Count of failed requests.", lab, 0)
         yield _gauge("trtllm_kv_cache_hit_rate", "KV cache hit rate", lab, hit_rate)

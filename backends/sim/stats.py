@@ -10,11 +10,14 @@ TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
-# Both engines' request-latency buckets (end-to-end, queue time).
+# Both engines' request-latency buckets (end-to-end, queue time, prefill time).
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# vLLM's token-count buckets (1-2-5 up to the model's length: here, any prompt the sim takes).
+TOKEN_BUCKETS: tuple[float, ...] = tuple(
+    m * 10.0**e for e in range(7) for m in (1, 2, 5))
 TPOT_BUCKETS: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0,
@@ -61,6 +64,8 @@ class Counters:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    prefill_computed: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
 
@@ -104,6 +109,8 @@ class EngineStats:
     ttft_bucket_counts: list[int]  # non-cumulative, one per TTFT_BUCKETS edge plus +Inf
     ttft_sum: float
     ttft_count: int
+    prefill_time_sum: float  # scheduled to first token, as vLLM's request_prefill_time
+    prefill_time_count: int
     pending_prefill_tokens: int
     capacity_blocks: int
     used_blocks: int
