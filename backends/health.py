@@ -240,7 +240,10 @@ class HealthMonitor:
         if snap is None or r.draining or pool.replicas.get(r.name) is not r:
             return
         had_capacity = r.snapshot is not None and r.snapshot.capacity_tokens
-        r.observe_snapshot(snap, pool.health.hit_ratio_window_s, time.monotonic())
+        now = time.monotonic()
+        r.observe_snapshot(snap, pool.health.hit_ratio_window_s, now)
+        pool.load.engines.report(r.name, now, snap.computed_prompt_tokens, snap.prefill_seconds,
+                                 snap.prefills)
         if not had_capacity and snap.capacity_tokens:
             pool.apply_engine_capacity(r)
         self.listener.engine_state(pool.name, r)

@@ -78,6 +78,12 @@ class RoutingSettings(BaseModel):
         "its streamed chunks); false: by its typical step, which averages in the longer steps "
         "that carry prefill"
     )
+    engine_speed: bool = Field(
+        True, description="where the gateway has timed none of a replica's prefills (its "
+        "requests not streamed, say), price its queue at the prefill rate its engine's "
+        "metrics report (prompt tokens computed over seconds in prefill, between scrapes) "
+        "over the median engine's; false: such a replica counts as equal to the others"
+    )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )

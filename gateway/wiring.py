@@ -20,6 +20,7 @@ def build_router(routing: RoutingSettings) -> Router:
         speed_decode_agrees=routing.speed_decode_agrees,
         pin_running=routing.pin_running,
         decode_step_wait=routing.decode_step_wait,
+        engine_speed=routing.engine_speed,
     )
 
 

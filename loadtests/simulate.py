@@ -288,6 +288,7 @@ def run_pool(
     gateways: int = 1,
     sharing: Sharing | None = None,
     shadow: bool | None = None,
+    stream_share: float = 1.0,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -306,7 +307,12 @@ def run_pool(
     With `shadow` (default: when there are several gateways), one more router, the shadow
     single gateway, sees every request and every event at once; before each request is
     routed it is asked where it would send it (`PoolRun.shadow`), then told where the
-    request really went, so that its state follows the real fleet."""
+    request really went, so that its state follows the real fleet.
+
+    `stream_share`: the share of requests that stream (spread evenly over the arrivals). The
+    others are non-streaming requests passed through, as the gateway does by default
+    (`server.non_streaming_ttft: false`): their gateway sees no chunk and no first token, only
+    the answer, so it times no engine step with them and learns no rate from them."""
     settings = settings or RoutingSettings()
     profs = list(profiles)
     replicas = len(profs)
@@ -327,7 +333,8 @@ def run_pool(
                         prefill_tokens_per_s=settings.prefill_tokens_per_s,
                         speed_decode_agrees=settings.speed_decode_agrees,
                         pin_running=settings.pin_running,
-                        decode_step_wait=settings.decode_step_wait)
+                        decode_step_wait=settings.decode_step_wait,
+                        engine_speed=settings.engine_speed)
         for n in names:
             router.resize_index(n, index_blocks)
         return router
@@ -361,6 +368,10 @@ def run_pool(
     gateway_of = [0] * n
     # Per gateway and replica: its requests there past their first token, not finished.
     streaming = [[0] * replicas for _ in routers]
+    streamed = [True] * n
+    if stream_share < 1.0:
+        for k, rid in enumerate(order):
+            streamed[rid] = int((k + 1) * stream_share) > int(k * stream_share)
 
     def sample() -> None:
         loads = [e.num_running + e.num_waiting for e in engine_list]
@@ -373,13 +384,22 @@ def run_pool(
     # The last scrape of each engine: (waiting, KV usage), None before the first.
     scraped: list[tuple[int, float] | None] = [None] * replicas
 
-    def scrape() -> None:
-        for k, e in enumerate(engine_list):
-            stats = e.stats()
-            scraped[k] = (stats.waiting, stats.kv_usage)
+    every_router = [*routers, *((shade.router,) if shade else ())]
+    scrape_due = start + metrics_interval_s if metrics_interval_s else math.inf
 
-    scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
-                    if metrics_interval_s else lambda t: None)
+    def scrape_until(t: float) -> None:
+        # As _every, with the time of each scrape: engines' prefill rates are over time.
+        nonlocal scrape_due
+        while scrape_due < t:
+            for k, e in enumerate(engine_list):
+                stats = e.stats()
+                scraped[k] = (stats.waiting, stats.kv_usage)
+                # What the gateway reads of the engine's prefill rate (EngineSpeeds).
+                for router in every_router:
+                    router.load.engines.report(
+                        names[k], scrape_due, stats.prompt_tokens - stats.prompt_cached_tokens,
+                        stats.prefill_time_sum, stats.prefill_time_count)
+            scrape_due += metrics_interval_s or math.inf
 
     def scraped_views(router: Router, now: float) -> list[ReplicaView]:
         # As Pool._views gives each view the engine's last scrape.
@@ -406,13 +426,13 @@ def run_pool(
         name = names[i]
         events = engine_list[i].advance(t)
         if shade is not None and (any(s[i] for s in streaming) or any(
-                ev.kind == "first_token" for ev in events)):
+                ev.kind == "first_token" and streamed[int(ev.req_id)] for ev in events)):
             shade.router.chunk(name, t)
         # A gateway sees this step's streamed chunks if a request of its own got a token in
-        # it: one decoding there, or one whose first token this is.
+        # it: one decoding there, or one whose first token this is (streamed requests only).
         for g, router in enumerate(routers):
             if streaming[g][i] or any(ev.kind == "first_token" and gateway_of[int(ev.req_id)] == g
-                                      for ev in events):
+                                      and streamed[int(ev.req_id)] for ev in events):
                 router.chunk(name, t)
                 gws.changed(g, t)
         for ev in events:
@@ -421,17 +441,19 @@ def run_pool(
             if ev.kind == "first_token":
                 first_at[rid] = ev.time
                 prefill_done[i] += prompt_tokens[rid] - ev.cached_tokens
-                routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
-                if shade is not None:
-                    shade.first_token(rid, ev.time, reqs[rid].timestamp_s)
-                streaming[g][i] += 1
+                if streamed[rid]:
+                    routers[g].first_token(decided(rid), ev.time, reqs[rid].timestamp_s)
+                    if shade is not None:
+                        shade.first_token(rid, ev.time, reqs[rid].timestamp_s)
+                    streaming[g][i] += 1
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
-                routers[g].finished(decided(rid), True)
+                routers[g].finished(decided(rid), streamed[rid])
                 if shade is not None:
-                    shade.finished(rid)
-                streaming[g][i] -= 1
+                    shade.finished(rid, streamed[rid])
+                if streamed[rid]:
+                    streaming[g][i] -= 1
             gws.changed(g, t)
         scheduled[i] = None
         reschedule(i)
@@ -516,6 +538,7 @@ def simulate(
     metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
     gateways: int = 1,
     sharing: Sharing | None = None,
+    stream_share: float = 1.0,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
@@ -523,7 +546,7 @@ def simulate(
     (run_pool), how they shared their state.
 
     `fleet` gives each replica its own profile and slowdown (its length is the replica count);
-    else there are `replicas` replicas of `profile`."""
+    else there are `replicas` replicas of `profile`. `stream_share`: as run_pool."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     fleet = list(fleet) if fleet else [ReplicaProfile(profile)] * replicas
@@ -535,7 +558,7 @@ def simulate(
                    max_output=max_output, engine_block_tokens=engine_block_tokens,
                    settings=settings, policy_params=policy_params,
                    policy_factory=policy_factory, metrics_interval_s=metrics_interval_s,
-                   gateways=gateways, sharing=sharing)
+                   gateways=gateways, sharing=sharing, stream_share=stream_share)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -657,6 +680,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the reader's pause after a read (default: --flush-interval-s)")
     ap.add_argument("--sharing-delay-s", type=float, default=0.0,
                     help="from a gateway's write to the others' being able to read it")
+    ap.add_argument("--stream-share", type=float, default=1.0,
+                    help="share of requests that stream (0-1); the others are passed through "
+                         "whole, as the gateway does by default, and time no engine step")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -665,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
     except ValueError as exc:
         ap.error(str(exc))
+    if not 0.0 <= args.stream_share <= 1.0:
+        ap.error("--stream-share must be between 0 and 1")
     if args.gateways < 1:
         ap.error("--gateways must be at least 1")
     if args.gateways > 1 and args.policy in (*REFERENCE_POLICIES, "all"):
@@ -688,7 +716,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           engine_block_tokens=args.engine_block_tokens,
                           settings=settings[name], fleet=fleet,
                           metrics_interval_s=args.metrics_interval_s or None,
-                          gateways=args.gateways, sharing=sharing)
+                          gateways=args.gateways, sharing=sharing,
+                          stream_share=args.stream_share)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
+from routing.engine_speed import EngineSpeeds
 from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
 
@@ -17,6 +19,11 @@ awaiting its first token was sent: inf if none or not said)."""
 NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf)
 """No other gateway's load on a replica."""
 
+ENDS_DECAY = 200.0
+"""Requests ended weigh (1 - 1/ENDS_DECAY) less per request ended since (`LoadTracker.speed`)."""
+UNSEEN_SHARE = 0.1
+"""While at least this share of requests end with no first token seen, speeds are the
+engines' where they report them (`LoadTracker.speed`)."""
 HEAD_CREDIT_MAX = 0.9
 """At most this share of the oldest pending request's prefill is presumed done before its
 first token arrives."""
@@ -31,15 +38,23 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("_drain", "_first_tokens", "_order", "decode_step_wait", "inflight",
-                 "pending_prefill", "remote", "steps")
+    __slots__ = ("_drain", "_ends", "_first_tokens", "_order", "_unseen", "decode_step_wait",
+                 "engines", "inflight", "pending_prefill", "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  speed_decode_agrees: float = DECODE_AGREES,
-                 decode_step_wait: bool = True) -> None:
+                 decode_step_wait: bool = True, engine_speed: bool = True) -> None:
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s, speed_decode_agrees)
+        self.engines = EngineSpeeds(engine_speed and prefill_tokens_per_s is None)
+        """What the engines' own metrics say of their prefill rates: a replica's speed
+        where the gateway has timed none of its prefills, or where its timing is blind to
+        much of the work (`speed`)."""
+        self._ends = 0.0
+        self._unseen = 0.0
+        """Requests ended, and of those, ended without a first token seen (passed through
+        whole, or failed before it); both decayed by (1 - 1/ENDS_DECAY) per request."""
         self.decode_step_wait = decode_step_wait
         """Whether a step in flight where no prefill is pending is timed as decode alone
         (`StepTimer.remaining`)."""
@@ -143,6 +158,9 @@ class LoadTracker:
                                         cold=cold)
 
     def finished(self, replica: str, uncached_tokens: float, saw_first_token: bool) -> None:
+        keep = 1.0 - 1.0 / ENDS_DECAY
+        self._ends = self._ends * keep + 1.0
+        self._unseen = self._unseen * keep + (0.0 if saw_first_token else 1.0)
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)
         if not left:
             self.steps.idle(replica)
@@ -157,6 +175,7 @@ class LoadTracker:
         self._order.pop(replica, None)
         self._first_tokens.pop(replica, None)
         self.steps.forget(replica)
+        self.engines.forget(replica)
 
     def prefill_left(self, replica: str) -> float:
         """Pending prefill tokens less what the engine has presumably computed of them.
@@ -200,6 +219,38 @@ class LoadTracker:
             head = HEAD_CREDIT_MAX * order[0][0]
             self._drain[replica] = min(head, self._drain.get(replica, 0.0) + rate * extra)
 
+    def speed(self, replica: str) -> float:
+        """The replica's speed as a policy prices it (`ReplicaView.speed`): its prefill rate
+        as this gateway timed it (`StepTimer.speed`), or as the engine's metrics report it,
+        when they do (`EngineSpeeds`): where the gateway has timed none of that replica's
+        prefills (on the gateway's scale), and on every replica while at least UNSEEN_SHARE
+        of the requests ending show no first token (passed through whole)."""
+        engines, steps = self.engines, self.steps
+        if engines.enabled:
+            if self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
+                # Requests that stream nothing prefill in steps the gateway times as its
+                # streamed ones': its own rates are blind to that work (on a mixed fleet
+                # with half the requests passed through they strayed 2-5x from the truth),
+                # the engines' are not.
+                speed = engines.speed(replica)
+                if speed is not None:
+                    return speed
+            elif steps.replica_rate(replica) is None:
+                speed = engines.speed(replica)
+                if speed is not None:
+                    return speed * self._engine_scale()
+        return steps.speed(replica)
+
+    def _engine_scale(self) -> float:
+        """What turns an engine-reported speed into the gateway's own scale: the median, over
+        the replicas known both ways, of the speed the gateway timed over the engine's. The
+        two are relative to different medians (the replicas each has learned): a fast replica
+        the gateway has not timed must not look faster than the fast ones it has."""
+        steps, engines = self.steps, self.engines
+        ratios = [steps.speed(name) / engine for name in steps.replica_rates()
+                  if (engine := engines.speed(name)) is not None]
+        return statistics.median(ratios) if ratios else 1.0
+
     def view(self, replica: str, now: float | None = None, engine_waiting: int = 0,
              kv_usage: float | None = None) -> ReplicaView:
         """What a policy sees of `replica` at `now`: this router's load there and the other
@@ -228,7 +279,7 @@ class LoadTracker:
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
             prefill_left_tokens=left,
-            speed=steps.speed(replica),
+            speed=self.speed(replica),
             busy_speed=steps.busy_speed(replica),
             engine_waiting=engine_waiting,
             kv_usage=kv_usage,

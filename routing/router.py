@@ -38,6 +38,7 @@ class Router:
         speed_decode_agrees: float = DECODE_AGREES,
         pin_running: bool = False,
         decode_step_wait: bool = True,
+        engine_speed: bool = True,
     ) -> None:
         self.policy = policy
         # Most policies ignore these hooks: skip the calls (several a request) when they do.
@@ -49,7 +50,8 @@ class Router:
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
         self.pin_running = pin_running
-        self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees, decode_step_wait)
+        self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees, decode_step_wait,
+                                engine_speed)
         self.indexes: dict[str, PrefixIndex] = {}
         self._room_block_tokens = 0.0
         """Tokens per block of the last prefix recorded (a pool hashes all its requests

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
+import pytest
 
 from backends.sim.profiles import PROFILES
 from gateway import processes
@@ -80,4 +83,45 @@ def test_a_mixed_fleets_speeds_are_known_once_each_replica_served_one_cold_promp
     fast, slow = (next(r for r in replicas if r["url"].startswith(url)) for url in sims.urls)
     assert fast["requests"] and slow["requests"], replicas
     assert fast["prefill_tokens_per_s"] and slow["prefill_tokens_per_s"], replicas
+    assert slow["speed"] < 1.0 < fast["speed"], replicas
+
+
+@pytest.mark.parametrize("engine", ["vllm", "trtllm"])
+def test_without_streaming_a_mixed_fleets_speeds_come_from_the_engines_metrics(
+        tmp_path, engine) -> None:
+    # Two simulated replicas, the second four times slower at everything, and only
+    # non-streaming requests, passed through whole (the default): the gateway sees no chunk
+    # and no first token, so it times no engine step. The engines' metrics (prompt tokens
+    # computed, seconds in prefill) still tell the two apart. TensorRT-LLM serves them on
+    # /prometheus/metrics, mounted only with return_perf_metrics.
+    extra = ("--trtllm-perf-metrics",) if engine == "trtllm" else ()
+    sims = start_sims([engine, engine], tmp_path, time_scale=[1.0, 4.0], profile=PROFILE,
+                      extra=extra)
+    try:
+        gw = start_gateway(one_pool_config(sims.urls, processes.free_ports(1)[0],
+                                           engine=engine, models=("tiny",),
+                                           health={"metrics_interval_s": 0.2}), tmp_path)
+        try:
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+
+            def ask(i: int) -> None:
+                words = f"question {i} is asked in words nobody cached before " * 120
+                client.completions.create(model="tiny", prompt=words, max_tokens=2)
+
+            with ThreadPoolExecutor(4) as pool:
+                # Until both engines' rates are known, or 400 requests sent.
+                for batch in range(50):
+                    list(pool.map(ask, range(8 * batch, 8 * batch + 8)))
+                    replicas = httpx.get(gw.url + "/admin/stats").json()["pools"][0]["replicas"]
+                    if all(r["engine_prefill_tokens_per_s"] for r in replicas):
+                        break
+        finally:
+            gw.stop()
+    finally:
+        sims.stop()
+    fast, slow = (next(r for r in replicas if r["url"].startswith(url)) for url in sims.urls)
+    assert fast["engine_prefill_tokens_per_s"] and slow["engine_prefill_tokens_per_s"], replicas
+    # Nothing was timed from a stream: the speeds are the engines'.
+    assert fast["prefill_tokens_per_s"] is None and slow["prefill_tokens_per_s"] is None
+    assert fast["engine_prefill_tokens_per_s"] > 2 * slow["engine_prefill_tokens_per_s"]
     assert slow["speed"] < 1.0 < fast["speed"], replicas
