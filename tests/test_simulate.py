@@ -785,3 +785,29 @@ def test_the_scoreboard_sweeps_variants_against_the_oracle(capsys) -> None:
     summary = [line.split("|") for line in out.splitlines()
                if line.startswith(("| defaults | tuning |", "| load_factor=4 | tuning |"))]
     assert [cells[3].strip() for cells in summary] == ["1", "1"]
+
+
+def test_with_nothing_streamed_a_slow_replica_is_known_from_its_engines_metrics() -> None:
+    from backends.sim.fleet_spec import fleet_profiles
+    from gateway.config import RoutingSettings
+    from loadtests.traces import TraceRequest
+
+    # The same cold prompts and fleet, but every request passed through whole: the gateway
+    # times no engine step. From its engines' prefill counters it still prices the slow
+    # replica's queue at its speed; without them (engine_speed off) the replicas are equal.
+    reqs = [TraceRequest(0.2 * i, 2048, 32, tuple(range(10 * i + 1, 10 * i + 5)), "")
+            for i in range(600)]
+    fleet = fleet_profiles(4, "qwen-32b-h200", slow="1:3")
+    runs = {on: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
+                         settings=RoutingSettings(engine_speed=on), stream_share=0.0)
+            for on in (True, False)}
+    shares = {}
+    for on, report in runs.items():
+        *fast, slow = report["prefill_tokens_per_replica"]
+        assert report["requests"] == 600
+        assert report["learned_prefill_tokens_per_s"] == [0, 0, 0, 0]  # nothing timed
+        shares[on] = slow / (sum(fast) / 3)
+    # Its queue, counted until each answer, already holds the slow replica back somewhat
+    # (0.36 of a fast one's tokens); priced at its speed it gets its due (under 0.3).
+    assert shares[True] < 0.3 < shares[False]
+    assert runs[True]["ttft_mean_s"] < runs[False]["ttft_mean_s"]
