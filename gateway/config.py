@@ -79,10 +79,11 @@ class RoutingSettings(BaseModel):
         "that carry prefill"
     )
     engine_speed: bool = Field(
-        True, description="where the gateway has timed none of a replica's prefills (its "
-        "requests not streamed, say), price its queue at the prefill rate its engine's "
-        "metrics report (prompt tokens computed over seconds in prefill, between scrapes) "
-        "over the median engine's; false: such a replica counts as equal to the others"
+        True, description="while a tenth or more of the requests ending show no first token "
+        "(non-streaming ones passed through: their prefill hides in the engine steps the "
+        "gateway times), price each replica's queue at the prefill rate its engine's metrics "
+        "report (prompt tokens computed over seconds in prefill, between scrapes) over the "
+        "median engine's; false: always at the rates the gateway timed"
     )
     index_capacity_blocks: int = Field(
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"

@@ -90,6 +90,11 @@ class EngineSpeeds:
         than two engines' are."""
         return self._speeds.get(replica)
 
+    @property
+    def known(self) -> bool:
+        """Whether any engine's speed is known (never while disabled)."""
+        return bool(self._speeds)
+
     def rates(self) -> dict[str, float]:
         """Every known engine's rate."""
         return {name: r for name in self._sums if (r := self.rate(name)) is not None}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -48,9 +47,8 @@ class LoadTracker:
         self.pending_prefill: dict[str, float] = {}
         self.steps = StepTimer(prefill_tokens_per_s, speed_decode_agrees)
         self.engines = EngineSpeeds(engine_speed and prefill_tokens_per_s is None)
-        """What the engines' own metrics say of their prefill rates: a replica's speed
-        where the gateway has timed none of its prefills, or where its timing is blind to
-        much of the work (`speed`)."""
+        """What the engines' own metrics say of their prefill rates: the replicas' speeds
+        where the gateway's own timing is blind to much of the work (`speed`)."""
         self._ends = 0.0
         self._unseen = 0.0
         """Requests ended, and of those, ended without a first token seen (passed through
@@ -221,35 +219,19 @@ class LoadTracker:
 
     def speed(self, replica: str) -> float:
         """The replica's speed as a policy prices it (`ReplicaView.speed`): its prefill rate
-        as this gateway timed it (`StepTimer.speed`), or as the engine's metrics report it,
-        when they do (`EngineSpeeds`): where the gateway has timed none of that replica's
-        prefills (on the gateway's scale), and on every replica while at least UNSEEN_SHARE
-        of the requests ending show no first token (passed through whole)."""
-        engines, steps = self.engines, self.steps
-        if engines.enabled:
-            if self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
-                # Requests that stream nothing prefill in steps the gateway times as its
-                # streamed ones': its own rates are blind to that work (on a mixed fleet
-                # with half the requests passed through they strayed 2-5x from the truth),
-                # the engines' are not.
-                speed = engines.speed(replica)
-                if speed is not None:
-                    return speed
-            elif steps.replica_rate(replica) is None:
-                speed = engines.speed(replica)
-                if speed is not None:
-                    return speed * self._engine_scale()
-        return steps.speed(replica)
-
-    def _engine_scale(self) -> float:
-        """What turns an engine-reported speed into the gateway's own scale: the median, over
-        the replicas known both ways, of the speed the gateway timed over the engine's. The
-        two are relative to different medians (the replicas each has learned): a fast replica
-        the gateway has not timed must not look faster than the fast ones it has."""
-        steps, engines = self.steps, self.engines
-        ratios = [steps.speed(name) / engine for name in steps.replica_rates()
-                  if (engine := engines.speed(name)) is not None]
-        return statistics.median(ratios) if ratios else 1.0
+        as this gateway timed it (`StepTimer.speed`), or, while at least UNSEEN_SHARE of the
+        requests ending showed no first token (passed through whole), as the engine's metrics
+        report it, where they do (`EngineSpeeds`)."""
+        engines = self.engines
+        if engines.known and self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
+            # Requests that stream nothing prefill in the steps the gateway times for its
+            # streamed ones: its own rates are blind to that work (on a mixed fleet with half
+            # the requests passed through they strayed 2-5x from the truth) or, with nothing
+            # streamed, never learned. The engines count every prefill.
+            speed = engines.speed(replica)
+            if speed is not None:
+                return speed
+        return self.steps.speed(replica)
 
     def view(self, replica: str, now: float | None = None, engine_waiting: int = 0,
              kv_usage: float | None = None) -> ReplicaView:

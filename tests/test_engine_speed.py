@@ -77,37 +77,54 @@ def test_a_replica_that_slows_down_is_seen_to_after_a_few_hundred_of_its_request
     assert speeds.speed("r2") == pytest.approx(1 / 3, rel=0.15)
 
 
-def test_a_load_tracker_prices_an_untimed_replica_at_its_engines_speed() -> None:
+def _pass_through(load: LoadTracker, names: tuple[str, ...], rounds: int = 1) -> None:
+    """Requests to each replica, each passed through whole: no first token seen."""
+    for _ in range(rounds):
+        for name in names:
+            load.dispatched(name, 2000.0)
+            load.finished(name, 2000.0, False)
+
+
+def test_with_nothing_streamed_a_replica_is_priced_at_its_engines_speed() -> None:
     load = LoadTracker()
     _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
-    # The gateway streamed nothing from any replica: the engines' metrics decide.
+    # No request has ended yet: nothing says the gateway's timing is blind.
+    assert load.view("r2").speed == 1.0
+    _pass_through(load, ("r0", "r1", "r2"))
+    # Every request passed through: the gateway timed nothing, the engines' metrics decide.
     assert load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
     assert load.view("r0").speed == 1.0
     off = LoadTracker(engine_speed=False)
     _serve(off.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
+    _pass_through(off, ("r0", "r1", "r2"))
     assert off.view("r2").speed == 1.0
     # With a configured prefill rate every replica is priced alike, as with timed speeds.
     fixed = LoadTracker(prefill_tokens_per_s=20_000.0)
     _serve(fixed.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
+    _pass_through(fixed, ("r0", "r1", "r2"))
     assert fixed.view("r2").speed == 1.0
 
 
-def test_a_replica_the_gateway_timed_keeps_the_speed_it_timed() -> None:
-    # The engines say r2 is a third as fast; the gateway's own timing of r2's prefills says
-    # it is as fast as the others. What the gateway timed wins: it is the finer signal.
-    load = LoadTracker()
-    _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
-    assert load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
-    t = 0.0
-    for _ in range(2):
-        # A cold prompt sent to an idle replica, its first token streamed 0.1 s later: the
-        # replica's prefill timed whole (a sample of its own rate).
-        for name in ("r0", "r1", "r2"):
+def _stream(load: LoadTracker, names: tuple[str, ...], t: float, rounds: int = 1) -> float:
+    """A cold prompt to each replica in turn, sent while it is idle, its first token streamed
+    0.1 s later: the replica's prefill timed whole (a sample of its own rate). The time
+    after."""
+    for _ in range(rounds):
+        for name in names:
             load.dispatched(name, 2000.0, t)
             load.chunk(name, t + 0.1)
             load.first_token(name, 2000.0, t + 0.1, t, cold=True)
             load.finished(name, 2000.0, True)
             t += 1.0
+    return t
+
+
+def test_with_every_request_streamed_the_gateways_own_timing_decides() -> None:
+    # The engines say r2 is a third as fast; the gateway's own timing of every request says
+    # it is as fast as the others. Seeing all the work, the gateway's is the finer signal.
+    load = LoadTracker()
+    _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
+    _stream(load, ("r0", "r1", "r2"), 0.0, rounds=2)
     assert load.steps.replica_rate("r2") == pytest.approx(20_000.0)
     assert load.view("r2").speed == 1.0
 
@@ -130,49 +147,16 @@ def test_engines_of_one_kind_share_one_speed_and_scatter_within_a_kind_is_ignore
     assert {equal.speed(n) for n in ("r0", "r1", "r2", "r3")} == {1.0}
 
 
-def test_an_untimed_replicas_engine_speed_is_put_on_the_gateways_own_scale() -> None:
-    # The engines: r0-r2 fast, r3-r5 three times slower (engine speeds 1.5 and 0.5 about
-    # their median). The gateway has timed only r0 itself, which on its own scale (the median
-    # of the replicas it knows: r0) is 1. An untimed replica takes its engine's speed on that
-    # scale: r1 as r0, r4 a third of it. Unscaled, r1 would look half again as fast as r0.
-    load = LoadTracker(speed_decode_agrees=0.0)
-    _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 30_000.0,
-                          "r3": 10_000.0, "r4": 10_000.0, "r5": 10_000.0})
-    assert load.view("r1").speed == pytest.approx(1.5)
-    load.dispatched("r0", 3000.0, 0.0)
-    load.chunk("r0", 0.1)
-    load.first_token("r0", 3000.0, 0.1, 0.0, cold=True)
-    load.finished("r0", 3000.0, True)
-    assert load.steps.replica_rate("r0") == pytest.approx(30_000.0)
-    assert load.view("r0").speed == 1.0
-    assert load.view("r1").speed == pytest.approx(1.0)
-    assert load.view("r4").speed == pytest.approx(1 / 3)
-
-
 def test_with_much_of_the_traffic_passed_through_the_engines_speeds_win() -> None:
     # The gateway timed r2 as fast as the others, from its streamed requests; but as many
     # again were passed through whole, prefilled in the steps it timed and unseen: its own
     # rates are blind to that work, and the engines' speeds are used instead.
     load = LoadTracker()
     _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
-    t = 0.0
-    for _ in range(2):
-        for name in ("r0", "r1", "r2"):
-            load.dispatched(name, 2000.0, t)
-            load.chunk(name, t + 0.1)
-            load.first_token(name, 2000.0, t + 0.1, t, cold=True)
-            load.finished(name, 2000.0, True)
-            t += 1.0
+    t = _stream(load, ("r0", "r1", "r2"), 0.0, rounds=2)
     assert load.view("r2").speed == 1.0  # streamed only: what the gateway timed
-    for name in ("r0", "r1", "r2") * 2:
-        load.dispatched(name, 2000.0, t)
-        load.finished(name, 2000.0, False)  # passed through: no first token seen
+    _pass_through(load, ("r0", "r1", "r2"), rounds=2)
     assert load.view("r2").speed == pytest.approx(1 / 3, rel=0.02)
     # Streamed again, for long enough that the passed-through share falls below a tenth.
-    for _ in range(20):
-        for name in ("r0", "r1", "r2"):
-            load.dispatched(name, 2000.0, t)
-            load.first_token(name, 2000.0, t + 0.1, t)
-            load.finished(name, 2000.0, True)
-            t += 1.0
+    _stream(load, ("r0", "r1", "r2"), t, rounds=20)
     assert load.view("r2").speed == 1.0
