@@ -37,7 +37,7 @@ class EngineSpeeds:
     alike. It is the coarser signal, used only where the gateway has no rate of its own.
     """
 
-    __slots__ = ("_last", "_speeds", "_sums", "enabled")
+    __slots__ = ("_last", "_sums", "enabled", "speeds")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -45,8 +45,10 @@ class EngineSpeeds:
         """Replica -> its last scrape: (when, computed tokens, prefill seconds, prefills)."""
         self._sums: dict[str, tuple[float, float, float]] = {}
         """Replica -> decayed sums since it was first scraped: (tokens, seconds, prefills)."""
-        self._speeds: dict[str, float] = {}
-        """Replica -> its speed, worked out again at each report (`_work_out_speeds`)."""
+        self.speeds: dict[str, float] = {}
+        """Replica -> its speed, worked out again at each report (`_work_out_speeds`): the
+        rate of its group (ENGINE_SPEED_GAP) over the median engine's; 1.0 where every known
+        engine is in one group; absent while its rate is unknown or fewer than two are."""
 
     def report(self, replica: str, now: float, computed_tokens: float | None,
                prefill_seconds: float | None, prefills: float | None) -> None:
@@ -64,7 +66,7 @@ class EngineSpeeds:
         if d_seconds < 0.0 or d_count < 0.0:
             # The histogram went backwards: the engine restarted. Its rate is learned again.
             self._sums.pop(replica, None)
-            self._speeds = self._work_out_speeds()
+            self.speeds = self._work_out_speeds()
             return
         if d_count <= 0.0 or d_seconds <= 0.0 or d_tokens < 0.0:
             # Nothing to learn; or tokens derived from two counters an engine moves at
@@ -75,7 +77,7 @@ class EngineSpeeds:
         keep = (1.0 - 1.0 / ENGINE_DECAY_PREFILLS) ** d_count
         self._sums[replica] = (tokens * keep + d_tokens, seconds * keep + busy,
                                count * keep + d_count)
-        self._speeds = self._work_out_speeds()
+        self.speeds = self._work_out_speeds()
 
     def rate(self, replica: str) -> float | None:
         """The replica's computed prompt tokens per second of prefill, once known."""
@@ -84,17 +86,6 @@ class EngineSpeeds:
             return None
         return sums[0] / sums[1]
 
-    def speed(self, replica: str) -> float | None:
-        """The replica's rate, as its group's (ENGINE_SPEED_GAP), over the median engine's;
-        1.0 where every known engine is in one group; None while its rate is unknown or fewer
-        than two engines' are."""
-        return self._speeds.get(replica)
-
-    @property
-    def known(self) -> bool:
-        """Whether any engine's speed is known (never while disabled)."""
-        return bool(self._speeds)
-
     def rates(self) -> dict[str, float]:
         """Every known engine's rate."""
         return {name: r for name in self._sums if (r := self.rate(name)) is not None}
@@ -102,7 +93,7 @@ class EngineSpeeds:
     def forget(self, replica: str) -> None:
         self._last.pop(replica, None)
         self._sums.pop(replica, None)
-        self._speeds = self._work_out_speeds()
+        self.speeds = self._work_out_speeds()
 
     def _work_out_speeds(self) -> dict[str, float]:
         rates = sorted((r, name) for name, r in self.rates().items())

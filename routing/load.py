@@ -222,13 +222,14 @@ class LoadTracker:
         as this gateway timed it (`StepTimer.speed`), or, while at least UNSEEN_SHARE of the
         requests ending showed no first token (passed through whole), as the engine's metrics
         report it, where they do (`EngineSpeeds`)."""
-        engines = self.engines
-        if engines.known and self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
+        engine_speeds = self.engines.speeds
+        # Read for every replica of every decision: a dict test first, the common case.
+        if engine_speeds and self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
             # Requests that stream nothing prefill in the steps the gateway times for its
             # streamed ones: its own rates are blind to that work (on a mixed fleet with half
             # the requests passed through they strayed 2-5x from the truth) or, with nothing
             # streamed, never learned. The engines count every prefill.
-            speed = engines.speed(replica)
+            speed = engine_speeds.get(replica)
             if speed is not None:
                 return speed
         return self.steps.speed(replica)
