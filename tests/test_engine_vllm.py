@@ -169,7 +169,10 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
         with streaming_meanwhile(c, ignore_eos=True):
             deadline = time.monotonic() + LEARN_DEADLINE_S
             sent = 0
-            while not (pool := pool_stats())["prefill_tokens_per_s"]:
+            # Until both rates are known: the gateway's own, from the steps it times, and the
+            # engine's, from its metrics (20 prefills counted between scrapes).
+            while not ((pool := pool_stats())["prefill_tokens_per_s"]
+                       and pool["replicas"][0]["engine_prefill_tokens_per_s"]):
                 assert time.monotonic() < deadline, f"not learned after {sent} requests: {pool}"
                 prompt = f"Request {sent}. " + " ".join(
                     f"fresh clause {sent}.{j} never seen before." for j in range(60))
@@ -191,3 +194,8 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
     # orders of magnitude.)
     engine_rate = (after[0] - before[0]) / (after[1] - before[1])
     assert engine_rate / 10 < pool["prefill_tokens_per_s"] < engine_rate * 10, (pool, engine_rate)
+    # The engine's rate as the gateway reads it from the same metrics, scrape by scrape
+    # (routing/engine_speed.py): the same figure, but for older scrapes weighing a little less
+    # and the seconds of a scrape interval capped at its length (which can only raise it).
+    read = pool["replicas"][0]["engine_prefill_tokens_per_s"]
+    assert engine_rate / 2 < read < engine_rate * 2, (read, engine_rate)
