@@ -9,7 +9,11 @@ import orjson
 import pytest
 
 from backends.adapters import Probe, TrtllmAdapter, VllmAdapter, adapter_for
-from backends.adapters.trtllm import parse_iteration_stats, parse_trtllm_prometheus
+from backends.adapters.trtllm import (
+    iteration_prefill,
+    parse_iteration_stats,
+    parse_trtllm_prometheus,
+)
 from backends.adapters.vllm import parse_vllm_metrics
 from backends.pool import ReplicaState
 from backends.upstream.aiohttp_client import AiohttpUpstream
@@ -131,6 +135,22 @@ def test_trtllm_iteration_stats_newest_entry_wins() -> None:
     assert (snap.block_size, snap.num_blocks) == (32, 100)
     idle = parse_iteration_stats([])
     assert (idle.running, idle.waiting, idle.prefix_hit_tokens) == (0.0, 0.0, None)
+
+
+def test_trtllm_iteration_stats_time_the_steps_that_computed_prompt_tokens() -> None:
+    def it(latency_ms: float, ctx: int, requests: int) -> dict:
+        return {"iterLatencyMS": latency_ms, "inflightBatchingStats": {
+            "numCtxTokens": ctx, "numContextRequests": requests, "numGenRequests": 5}}
+
+    # Two steps that prefilled, one that only decoded (it says nothing of the prefill rate).
+    read = iteration_prefill([it(40.0, 2048, 1), it(12.0, 0, 0), it(60.0, 3072, 2)])
+    assert read == (5120.0, 0.1, 3.0)
+    # Idle (nothing since the last read), or a release whose stats lack the two fields.
+    assert iteration_prefill([]) is None
+    assert iteration_prefill([{"iter": 3, "numActiveRequests": 1}]) is None
+    assert iteration_prefill("not stats") is None
+    # A decode-only read still says the steps are timed: nothing to add.
+    assert iteration_prefill([it(12.0, 0, 0)]) == (0.0, 0.0, 0.0)
 
 
 def test_trtllm_prometheus_names_are_sniffed() -> None:

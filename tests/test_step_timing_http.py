@@ -86,15 +86,21 @@ def test_a_mixed_fleets_speeds_are_known_once_each_replica_served_one_cold_promp
     assert slow["speed"] < 1.0 < fast["speed"], replicas
 
 
-@pytest.mark.parametrize("engine", ["vllm", "trtllm"])
+@pytest.mark.parametrize(("engine", "extra"), [
+    ("vllm", ()),
+    # trtllm-serve as it starts by default: JSON iteration stats only, each engine step's
+    # latency and context tokens.
+    ("trtllm", ()),
+    # With return_perf_metrics: /prometheus/metrics too (its per-request prefill histogram);
+    # the iteration stats still time the steps.
+    ("trtllm", ("--trtllm-perf-metrics",)),
+])
 def test_without_streaming_a_mixed_fleets_speeds_come_from_the_engines_metrics(
-        tmp_path, engine) -> None:
+        tmp_path, engine, extra) -> None:
     # Two simulated replicas, the second four times slower at everything, and only
     # non-streaming requests, passed through whole (the default): the gateway sees no chunk
     # and no first token, so it times no engine step. The engines' metrics (prompt tokens
-    # computed, seconds in prefill) still tell the two apart. TensorRT-LLM serves them on
-    # /prometheus/metrics, mounted only with return_perf_metrics.
-    extra = ("--trtllm-perf-metrics",) if engine == "trtllm" else ()
+    # computed, seconds in prefill) still tell the two apart.
     sims = start_sims([engine, engine], tmp_path, time_scale=[1.0, 4.0], profile=PROFILE,
                       extra=extra)
     try:

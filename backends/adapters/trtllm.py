@@ -65,6 +65,32 @@ def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
     )
 
 
+def iteration_prefill(payload: object) -> tuple[float, float, float] | None:
+    """Of the iterations in one /metrics read that computed context (prompt) tokens: those
+    tokens, the iterations' seconds, and the context requests they carried; None if the read
+    has no iteration that says its latency and context tokens (older releases, or idle)."""
+    if isinstance(payload, dict):
+        payload = [payload]
+    if not isinstance(payload, list):
+        return None
+    tokens = seconds = requests = 0.0
+    timed = False
+    for it in payload:
+        if not isinstance(it, dict):
+            continue
+        ifb = it.get("inflightBatchingStats")
+        latency_ms = _num(it, "iterLatencyMS")
+        ctx = _num(ifb, "numCtxTokens") if isinstance(ifb, dict) else None
+        if latency_ms is None or ctx is None:
+            continue
+        timed = True
+        if ctx > 0 and latency_ms > 0:
+            tokens += ctx
+            seconds += latency_ms / 1000.0
+            requests += _num(ifb, "numContextRequests") or 0.0
+    return (tokens, seconds, requests) if timed else None
+
+
 def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
     """Normalise /prometheus/metrics; sniffs `trtllm_`-prefixed versus older bare names."""
     values: dict[str, float] = {}
@@ -115,6 +141,10 @@ class TrtllmAdapter(EngineAdapter):
     def __init__(self) -> None:
         # Per replica: whether /prometheus/metrics is mounted (only with return_perf_metrics).
         self._has_prometheus: dict[str, bool] = {}
+        # Per replica whose iteration stats time their steps: the context tokens, seconds and
+        # context requests of every iteration read so far that computed prompt tokens. Each
+        # read drains the engine's queue, so the running sums are the counters.
+        self._iterations: dict[str, list[float]] = {}
 
     async def scrape(
         self, upstream: Upstream, base_url: str, timeout: float
@@ -134,9 +164,22 @@ class TrtllmAdapter(EngineAdapter):
         snap_json = None
         if status == 200 and text:
             try:
-                snap_json = parse_iteration_stats(orjson.loads(text))
+                payload = orjson.loads(text)
             except orjson.JSONDecodeError:
-                snap_json = None
+                payload = None
+            snap_json = parse_iteration_stats(payload)
+            read = iteration_prefill(payload)
+            if read is not None or base_url in self._iterations:
+                sums = self._iterations.setdefault(base_url, [0.0, 0.0, 0.0])
+                for i, v in enumerate(read or (0.0, 0.0, 0.0)):
+                    sums[i] += v
+        sums = self._iterations.get(base_url)
+        if sums is not None:
+            # Timed engine step by step, the prefill rate needs no per-request histogram (and
+            # its error where prefills overlap): once seen, the source for this replica.
+            for snap in (snap_json, snap_prom):
+                if snap is not None:
+                    snap.computed_prompt_tokens, snap.prefill_seconds, snap.prefills = sums
         if snap_prom is None:
             return snap_json
         if snap_json is not None:
