@@ -69,7 +69,8 @@ def _f(v: float | None, digits: int = 3) -> str:
 def results_table(results: Sequence[dict[str, Any]]) -> str:
     """One markdown row per router."""
     header = ["router", "requests", "errors", "TTFT mean s", "TTFT p50 s", "TTFT p90 s",
-              "TTFT p99 s", "TPOT p50 s", "hit ratio", "ideal", "hit/ideal", "imbalance",
+              "TTFT p99 s", "engine TTFT mean s", "TPOT p50 s", "hit ratio", "ideal", "hit/ideal",
+              "imbalance",
               "prefill imb.", "prefill time imb.", "peak in-flight imb.", "duration s"]
     rows = []
     for r in results:
@@ -78,7 +79,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
         rows.append([
             r["policy"], str(r["requests"]), str(r["errors"]), _f(r["ttft_mean_s"]),
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), _f(r["ttft_p99_s"]),
-            _f(r["tpot_p50_s"], 4), _f(hit), _f(ideal), _f(rel, 2), _f(r["imbalance"], 2),
+            _f(r.get("engine_ttft_mean_s")), _f(r["tpot_p50_s"], 4), _f(hit), _f(ideal),
+            _f(rel, 2), _f(r["imbalance"], 2),
             _f(r["prefill_imbalance"], 2), _f(r.get("prefill_time_imbalance"), 2),
             _f(r["peak_inflight_imbalance"], 2),
             _f(r["duration_s"], 1)])
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=rp.DEFAULT_PROFILE)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    rp.add_stream_share(p)
     p.add_argument("--output", help="append each router's JSON result to this JSONL file")
     return p
 
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"{args.time_scale}, {args.kv_capacity_tokens} KV tokens each); "
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
             for router in routers:
-                opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout)
+                opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout,
+                                        stream_share=args.stream_share)
                 t = time.monotonic()
                 try:
                     res = run_one(router, fleet, urls, requests, opts, rates)

@@ -37,7 +37,15 @@ from gateway import processes
 from gateway.config import RoutingSettings, load_config
 from gateway.defaults import one_pool_config
 from loadtests.fleet import MODEL, Fleet, run_async, sigterm_as_interrupt
-from loadtests.metrics import HITS, QUERIES, RUNNING, SUCCESS, WAITING, scrape_all
+from loadtests.metrics import (
+    ENGINE_TTFT,
+    HITS,
+    QUERIES,
+    RUNNING,
+    SUCCESS,
+    WAITING,
+    scrape_all,
+)
 from loadtests.overhead import cpu_seconds as process_cpu_seconds
 from loadtests.report import emit_json, markdown_table
 from loadtests.settings import add_routing_settings, add_workload_param, key_value
@@ -74,7 +82,9 @@ SHADOW_SYNC_S = 1.0
 # missed their home (`warm_miss_reasons`).
 REASON_HEADER = "x-gateway-route-reason"
 
-_WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING)
+ENGINE_TTFT_SUM = ENGINE_TTFT + "_sum"
+ENGINE_TTFT_COUNT = ENGINE_TTFT + "_count"
+_WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING, ENGINE_TTFT_SUM, ENGINE_TTFT_COUNT)
 
 
 def log(msg: str) -> None:
@@ -104,10 +114,56 @@ class ReplayOptions:
     timeout_s: float = 600.0
     model: str = MODEL
     label: str = "external"
+    stream_share: float = 1.0
+    """The share of requests sent streaming, spread evenly; the others are sent
+    non-streaming, as whole answers: their TTFT is not seen by the client (the report's
+    `engine_ttft_mean_s`, from the engines' own histograms, counts every request)."""
+
+
+def streams(i: int, share: float) -> bool:
+    """Whether the i-th request is sent streaming, at `share` of requests streamed."""
+    return share >= 1.0 or int((i + 1) * share) > int(i * share)
+
+
+async def _send_whole(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                      lag_s: float, shadow: ReplayShadow | None, index: int) -> Result:
+    """A non-streaming request: its answer whole, timed end to end (no first token to see)."""
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    start = time.perf_counter()
+    followed: ReplayShadow | None = None
+    if shadow is not None:
+        shadow.ask(index, start)
+    try:
+        async with session.post(url, data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json"}) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
+                              error=f"HTTP {resp.status}: {raw[:200]!r}")
+            replica = resp.headers.get(REPLICA_HEADER)
+            reason = resp.headers.get(REASON_HEADER)
+            if shadow is not None and replica is not None and shadow.served(
+                    index, replica, reason):
+                followed = shadow
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
+                      error=f"{type(exc).__name__}: {exc}"[:200])
+    finally:
+        if followed is not None:
+            followed.finished(index, False)
+        elif shadow is not None:
+            shadow.dropped(index)
+    end = time.perf_counter()
+    try:
+        tokens = int(orjson.loads(raw)["usage"]["completion_tokens"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return Result(False, latency_s=end - start, lag_s=lag_s, error="no usage in answer")
+    return Result(True, None, None, end - start, lag_s, tokens, replica=replica, reason=reason)
 
 
 async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opts: ReplayOptions,
-                lag_s: float, shadow: ReplayShadow | None = None, index: int = -1) -> Result:
+                lag_s: float, shadow: ReplayShadow | None = None, index: int = -1,
+                stream: bool = True) -> Result:
     max_tokens = max(1, min(req.output_tokens, opts.max_output))
     body = {
         "model": opts.model,
@@ -120,6 +176,8 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
+    if not stream:
+        return await _send_whole(session, url, body, lag_s, shadow, index)
     start = time.perf_counter()
     first = last = None
     events = 0
@@ -257,12 +315,13 @@ async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
         wall0 = time.perf_counter()
 
         async def fire(endpoint: str, i: int, req: TraceRequest) -> Result:
+            stream = streams(i, opts.stream_share)
             if sem is None:
                 return await _send(session, endpoint, req, opts,
-                                   loop.time() - t0 - req.timestamp_s, shadow, i)
+                                   loop.time() - t0 - req.timestamp_s, shadow, i, stream)
             async with sem:
                 return await _send(session, endpoint, req, opts,
-                                   loop.time() - t0 - req.timestamp_s, shadow, i)
+                                   loop.time() - t0 - req.timestamp_s, shadow, i, stream)
 
         tasks = []
         for i, req in enumerate(requests):
@@ -297,6 +356,7 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
     per_req, per_prefill, hits = [], [], []
     queries = 0.0
     hit_total = 0.0
+    engine_ttft_sum = engine_ttft_count = 0.0
     complete = all(m is not None for m in data.before + data.after) and data.before
     if complete:
         for b, a in zip(data.before, data.after, strict=True):
@@ -307,12 +367,19 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
             hits.append(dh)
             queries += dq
             hit_total += dh
+            engine_ttft_sum += a.get(ENGINE_TTFT_SUM, 0.0) - b.get(ENGINE_TTFT_SUM, 0.0)
+            engine_ttft_count += a.get(ENGINE_TTFT_COUNT, 0.0) - b.get(ENGINE_TTFT_COUNT, 0.0)
     out: dict[str, Any] = {
         "policy": policy,
         "requests": len(data.results),
         "errors": len(errors),
         "duration_s": round(data.duration_s, 3),
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        # Every request's, streamed or not, as the engines measured it (from their arrival:
+        # the router's own time is not in it).
+        "engine_ttft_mean_s": (engine_ttft_sum / engine_ttft_count
+                               if engine_ttft_count > 0 else None),
+        "streamed": len(ttfts),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p90_s": percentile(ttfts, 0.9),
         "ttft_p99_s": percentile(ttfts, 0.99),
@@ -358,10 +425,18 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def add_stream_share(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-share", type=float, default=1.0,
+                   help="share of requests sent streaming, spread evenly (0-1); the others "
+                   "are sent non-streaming, and only the engines see their TTFT "
+                   "(engine_ttft_mean_s)")
+
+
 def render_table(res: dict[str, Any]) -> str:
     rows = [(k, _fmt(res.get(k))) for k in (
-        "policy", "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
-        "ttft_p99_s", "tpot_p50_s", "hit_ratio", "ideal_hit_ratio", "imbalance",
+        "policy", "requests", "errors", "duration_s", "streamed", "ttft_mean_s", "ttft_p50_s",
+        "ttft_p90_s", "ttft_p99_s", "engine_ttft_mean_s", "tpot_p50_s", "hit_ratio",
+        "ideal_hit_ratio", "imbalance",
         "prefill_imbalance", "prefill_time_imbalance", "peak_inflight_imbalance", "gateways",
         "agreement", "agreement_last", "warm_requests", "warm_miss_reasons",
         "shadow_agreement", "shadow_match_agreement", "shadow_held_agreement",
@@ -521,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-limit", type=int, default=0,
                    help="cap on requests in flight (default 0: none, pure open loop)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    add_stream_share(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     p.add_argument("--output", help="append the JSON result to this JSONL file")
     return p
@@ -584,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             span = requests[-1].timestamp_s
             log(f"replaying {len(requests)} requests over {span:.1f} s to {', '.join(urls)}")
             opts = ReplayOptions(args.max_output, args.concurrency_limit, args.timeout,
-                                 args.model, policy)
+                                 args.model, policy, args.stream_share)
             cpu_before = cpu_seconds(gateways) if gateways else None
             data = run_async(replay(urls, replica_urls, requests, opts, shadow))
             cpu_after = cpu_seconds(gateways) if gateways else None

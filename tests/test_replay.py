@@ -85,6 +85,20 @@ def test_replay_mooncake_trace_with_policy(run) -> None:
     assert res["imbalance"] == pytest.approx(1.08)
 
 
+def test_replay_sends_a_share_of_requests_non_streaming(run) -> None:
+    # Half the requests as whole answers: the client sees no first token for them, and the
+    # engines' own TTFT histograms count every request.
+    limit = 24
+    res = run(["--workload", "tenants", "--replicas", "2", "--limit", str(limit),
+               "--speedup", "4", "--time-scale", "0.05", "--max-output", "8",
+               "--stream-share", "0.5"])
+    assert res["requests"] == limit and res["errors"] == 0, res.get("first_errors")
+    assert res["streamed"] == limit // 2
+    assert sum(res["requests_per_replica"]) == limit
+    assert res["engine_ttft_mean_s"] > 0
+    assert res["output_tokens"] == limit * 8  # every answer, streamed or whole, counted
+
+
 # -- several gateways: round robin over them, and agreement --------------------------------
 
 
