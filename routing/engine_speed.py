@@ -1,4 +1,4 @@
-"""Per-replica prefill speed from the engine's own metrics: for replicas the gateway cannot time."""
+"""Per-replica prefill speed from the engine's own metrics, for traffic the gateway cannot time."""
 
 from __future__ import annotations
 
@@ -23,18 +23,21 @@ class EngineSpeeds:
 
     The gateway times engine steps from the chunks it streams (routing/steps.py), but a
     non-streaming request passed through (`server.non_streaming_ttft: false`, the default)
-    streams none, and a replica that only serves such requests, or traffic from clients that
-    bypass the gateway, is never timed: on a pool of mixed speeds every replica is then
-    priced as equal. vLLM and TensorRT-LLM report, per request, the time from being scheduled
-    to the first token (a histogram's sum and count), and the prompt tokens they computed
-    rather than took from their prefix cache; between two scrapes, the tokens over the time
-    is the engine's prefill rate.
+    streams none: with only such requests no replica is timed, and on a pool of mixed speeds
+    every replica is priced as equal; with some, their prefills hide in the steps the gateway
+    times, and the rates it learns are wrong. The engines count every prefill: vLLM reports,
+    per request, the time from being scheduled to the first token (a histogram's sum and
+    count) and the prompt tokens it computed rather than took from its prefix cache;
+    TensorRT-LLM each iteration's latency and context tokens (the adapters turn either into
+    the three counters `report` takes). Between two scrapes, tokens over time is the
+    engine's prefill rate.
 
     A request's prefill time includes the other requests prefilled or decoded in the same
     steps, so the rate errs low on a busy engine: the time counted is capped at the wall time
     between the scrapes (an engine cannot prefill for longer than that), which bounds the
     error where several prefills overlap, and below the cap equal engines at equal load err
-    alike. It is the coarser signal, used only where the gateway has no rate of its own.
+    alike. It is the coarser signal, used only where the gateway's own timing is blind to
+    much of the work (`LoadTracker.speed`).
     """
 
     __slots__ = ("_last", "_sums", "enabled", "speeds")

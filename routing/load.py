@@ -222,6 +222,10 @@ class LoadTracker:
         as this gateway timed it (`StepTimer.speed`), or, while at least UNSEEN_SHARE of the
         requests ending showed no first token (passed through whole), as the engine's metrics
         report it, where they do (`EngineSpeeds`)."""
+        return self._speed(replica)[0]
+
+    def _speed(self, replica: str) -> tuple[float, bool]:
+        """`speed`, and whether it is the one this gateway timed."""
         engine_speeds = self.engines.speeds
         # Read for every replica of every decision: a dict test first, the common case.
         if engine_speeds and self._unseen >= UNSEEN_SHARE * self._ends > 0.0:
@@ -231,8 +235,8 @@ class LoadTracker:
             # streamed, never learned. The engines count every prefill.
             speed = engine_speeds.get(replica)
             if speed is not None:
-                return speed
-        return self.steps.speed(replica)
+                return speed, False
+        return self.steps.speed(replica), True
 
     def view(self, replica: str, now: float | None = None, engine_waiting: int = 0,
              kv_usage: float | None = None) -> ReplicaView:
@@ -241,6 +245,7 @@ class LoadTracker:
         (`engine_waiting`, `kv_usage`; as the defaults, never scraped)."""
         steps = self.steps
         rate = steps.rate  # a property that adds what other gateways learned: read it once
+        speed, speed_timed = self._speed(replica)
         inflight = self.inflight.get(replica, 0)
         own_inflight = inflight
         pending = self.pending_prefill.get(replica, 0.0)
@@ -262,8 +267,9 @@ class LoadTracker:
             pending_prefill_tokens=pending,
             step_wait_tokens=wait,
             prefill_left_tokens=left,
-            speed=self.speed(replica),
-            busy_speed=steps.busy_speed(replica),
+            speed=speed,
+            # Known from the engines, the speed is learned: no throughput-while-busy stand-in.
+            busy_speed=steps.busy_speed(replica) if speed_timed else None,
             engine_waiting=engine_waiting,
             kv_usage=kv_usage,
         )

@@ -160,3 +160,24 @@ def test_with_much_of_the_traffic_passed_through_the_engines_speeds_win() -> Non
     # Streamed again, for long enough that the passed-through share falls below a tenth.
     _stream(load, ("r0", "r1", "r2"), t, rounds=20)
     assert load.view("r2").speed == 1.0
+
+
+def test_priced_at_its_engines_speed_a_replica_has_no_busy_throughput_stand_in() -> None:
+    # First tokens with no engine step timed (as a gateway relaying another's streams sees
+    # them) give each replica a throughput while busy, which stands in for a speed not yet
+    # learned (`busy_speed`). Once the engines' speeds price the replicas, the speed is
+    # known: the stand-in goes, as it does once the gateway learns a rate of its own.
+    load = LoadTracker()
+    _serve(load.engines, {"r0": 30_000.0, "r1": 30_000.0, "r2": 10_000.0})
+    t = 0.0
+    for _ in range(12):
+        for name in ("r0", "r1", "r2"):
+            load.dispatched(name, 2000.0, t)
+            load.first_token(name, 2000.0, t + 0.1, t)
+            load.finished(name, 2000.0, True)
+            t += 1.0
+    assert load.steps.replica_rate("r2") is None
+    assert load.view("r2").busy_speed == 1.0 and load.view("r2").speed == 1.0
+    _pass_through(load, ("r0", "r1", "r2"), rounds=2)
+    view = load.view("r2")
+    assert view.speed == pytest.approx(1 / 3, rel=0.02) and view.busy_speed is None
