@@ -161,7 +161,7 @@ def _quantile(values: deque[float], q: float) -> float | None:
 def render_table(stats: dict[str, Any]) -> str:
     """A fixed-width table of /admin/stats for a terminal."""
     cols = ("replica", "healthy", "inflight", "requests", "errors", "est_hit", "engine_hit",
-            "ttft_p50", "ttft_p95", "step")
+            "ttft_p50", "ttft_p95", "step", "speed")
     lines: list[str] = []
     workers = stats.get("workers")
     if workers:  # serve --workers N: the figures are every worker's
@@ -185,7 +185,7 @@ def render_table(stats: dict[str, Any]) -> str:
                 r["name"], "yes" if r["healthy"] else "NO", str(r["inflight"]),
                 str(r["requests"]), str(r["errors"]), _pct(r["estimated_hit_ratio"]),
                 _pct(r["engine_hit_ratio"]), _ms(r["ttft_p50_s"]), _ms(r["ttft_p95_s"]),
-                _ms(r.get("engine_step_s")),
+                _ms(r.get("engine_step_s")), f"{r['speed']:.2f}" if "speed" in r else "-",
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         for row in rows:

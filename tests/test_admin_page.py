@@ -114,7 +114,7 @@ def _expected(stats: dict) -> dict[str, dict[str, str]]:
                 "name": r["name"] + (" draining" if r["draining"] else ""),
                 "engine_waiting": _num(r["engine_waiting"]),
                 "engine_kv_usage": _pct(r["engine_kv_usage"]),
-                "engine_step_s": _ms(r["engine_step_s"]),
+                "engine_step_s": _ms(r["engine_step_s"]), "speed": f"{r['speed']:.2f}",
                 "healthy": "yes" if r["healthy"] else "NO", "inflight": str(r["inflight"]),
                 "requests": str(r["requests"]), "errors": str(r["errors"]),
                 "estimated_hit_ratio": _pct(r["estimated_hit_ratio"]),

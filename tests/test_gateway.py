@@ -194,6 +194,9 @@ async def test_admin_stats_and_its_table_agree(timed: Harness) -> None:
             if line.strip().startswith(("rt-", "bt-"))}
     assert {name: int(row[3]) for name, row in rows.items()} == {
         r["name"]: r["requests"] for p in stats["pools"] for r in p["replicas"]}
+    # The last column: the speed each replica's queue is priced at.
+    assert {name: row[-1] for name, row in rows.items()} == {
+        r["name"]: f"{r['speed']:.2f}" for p in stats["pools"] for r in p["replicas"]}
 
 
 @pytest.mark.parametrize(("path", "body", "status", "code"), [
