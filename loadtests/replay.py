@@ -60,6 +60,7 @@ from loadtests.traces import (
     ideal_hit_ratio,
     load_requests,
     prompt_text,
+    streams,
 )
 
 # 1,000 Mooncake blocks of 512 tokens per replica: the first 1,000 Mooncake requests touch
@@ -120,15 +121,20 @@ class ReplayOptions:
     `engine_ttft_mean_s`, from the engines' own histograms, counts every request)."""
 
 
-def streams(i: int, share: float) -> bool:
-    """Whether the i-th request is sent streaming, at `share` of requests streamed."""
-    return share >= 1.0 or int((i + 1) * share) > int(i * share)
+def _routed(resp: aiohttp.ClientResponse, shadow: ReplayShadow | None, index: int
+            ) -> tuple[str | None, str | None, ReplayShadow | None]:
+    """The replica that served request `index` and why (the router's headers), and the shadow
+    if it was told so and follows the request from now on."""
+    replica = resp.headers.get(REPLICA_HEADER)
+    reason = resp.headers.get(REASON_HEADER)
+    followed = shadow if shadow is not None and replica is not None and shadow.served(
+        index, replica, reason) else None
+    return replica, reason, followed
 
 
 async def _send_whole(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                       lag_s: float, shadow: ReplayShadow | None, index: int) -> Result:
     """A non-streaming request: its answer whole, timed end to end (no first token to see)."""
-    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     start = time.perf_counter()
     followed: ReplayShadow | None = None
     if shadow is not None:
@@ -140,11 +146,7 @@ async def _send_whole(session: aiohttp.ClientSession, url: str, body: dict[str, 
             if resp.status != 200:
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {raw[:200]!r}")
-            replica = resp.headers.get(REPLICA_HEADER)
-            reason = resp.headers.get(REASON_HEADER)
-            if shadow is not None and replica is not None and shadow.served(
-                    index, replica, reason):
-                followed = shadow
+            replica, reason, followed = _routed(resp, shadow, index)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                       error=f"{type(exc).__name__}: {exc}"[:200])
@@ -172,12 +174,11 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
         # Generate exactly max_tokens (vLLM and SGLang read these; others ignore them).
         "ignore_eos": True,
         "min_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
     if not stream:
         return await _send_whole(session, url, body, lag_s, shadow, index)
+    body.update(stream=True, stream_options={"include_usage": True})
     start = time.perf_counter()
     first = last = None
     events = 0
@@ -192,11 +193,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
                 text = (await resp.text())[:200]
                 return Result(False, latency_s=time.perf_counter() - start, lag_s=lag_s,
                               error=f"HTTP {resp.status}: {text}")
-            replica = resp.headers.get(REPLICA_HEADER)
-            reason = resp.headers.get(REASON_HEADER)
-            if shadow is not None and replica is not None and shadow.served(
-                    index, replica, reason):
-                followed = shadow
+            replica, reason, followed = _routed(resp, shadow, index)
             async for data in data_events(resp.content):
                 if followed is not None and replica is not None:
                     followed.chunk(replica, time.perf_counter())

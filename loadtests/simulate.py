@@ -61,6 +61,7 @@ from loadtests.traces import (
     load_requests,
     prompt_text,
     shadow_agreement,
+    streams,
 )
 from loadtests.ttft_bound import TtftBounds, ttft_bounds
 from routing import Router, RoutingRequest, build_policy
@@ -256,17 +257,17 @@ class PoolRun:
         return sum(e.cache.hit_tokens for e in self.engines) / query if query else None
 
 
-def _every(interval_s: float, first_s: float, action: Callable[[], None]
+def _every(interval_s: float, first_s: float, action: Callable[[float], None]
            ) -> Callable[[float], None]:
-    """A function of time `t` that runs `action` once for each multiple of `interval_s`
-    after `first_s` (included) that lies before `t` and has not run yet: what the gateway's
-    periodic readings would have seen by then."""
+    """A function of time `t` that runs `action(due)` once for each multiple `due` of
+    `interval_s` after `first_s` (included) that lies before `t` and has not run yet: what
+    the gateway's periodic readings would have seen by then, and when."""
     due = first_s
 
     def until(t: float) -> None:
         nonlocal due
         while due < t:
-            action()
+            action(due)
             due += interval_s
 
     return until
@@ -369,11 +370,10 @@ def run_pool(
     # Per gateway and replica: its requests there past their first token, not finished.
     streaming = [[0] * replicas for _ in routers]
     streamed = [True] * n
-    if stream_share < 1.0:
-        for k, rid in enumerate(order):
-            streamed[rid] = int((k + 1) * stream_share) > int(k * stream_share)
+    for k, rid in enumerate(order):
+        streamed[rid] = streams(k, stream_share)
 
-    def sample() -> None:
+    def sample(_: float) -> None:
         loads = [e.num_running + e.num_waiting for e in engine_list]
         mean = sum(loads) / replicas
         if mean >= 1:
@@ -385,21 +385,19 @@ def run_pool(
     scraped: list[tuple[int, float] | None] = [None] * replicas
 
     every_router = [*routers, *((shade.router,) if shade else ())]
-    scrape_due = start + metrics_interval_s if metrics_interval_s else math.inf
 
-    def scrape_until(t: float) -> None:
-        # As _every, with the time of each scrape: engines' prefill rates are over time.
-        nonlocal scrape_due
-        while scrape_due < t:
-            for k, e in enumerate(engine_list):
-                stats = e.stats()
-                scraped[k] = (stats.waiting, stats.kv_usage)
-                # What the gateway reads of the engine's prefill rate (EngineSpeeds).
-                for router in every_router:
-                    router.load.engines.report(
-                        names[k], scrape_due, stats.prompt_tokens - stats.prompt_cached_tokens,
-                        stats.prefill_time_sum, stats.prefill_time_count)
-            scrape_due += metrics_interval_s or math.inf
+    def scrape(at: float) -> None:
+        for k, e in enumerate(engine_list):
+            stats = e.stats()
+            scraped[k] = (stats.waiting, stats.kv_usage)
+            # What the gateway reads of the engine's prefill rate (EngineSpeeds).
+            for router in every_router:
+                router.load.engines.report(
+                    names[k], at, stats.prompt_tokens - stats.prompt_cached_tokens,
+                    stats.prefill_time_sum, stats.prefill_time_count)
+
+    scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
+                    if metrics_interval_s else lambda t: None)
 
     def scraped_views(router: Router, now: float) -> list[ReplicaView]:
         # As Pool._views gives each view the engine's last scrape.

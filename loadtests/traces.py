@@ -59,6 +59,12 @@ class TraceRequest:
         return max(1, self.input_tokens - BLOCK_TOKENS * (len(self.hash_ids) - 1))
 
 
+def streams(i: int, share: float) -> bool:
+    """Whether the i-th request (in sending order) streams when `share` of them do, spread
+    evenly over the arrivals; the others are sent non-streaming."""
+    return share >= 1.0 or int((i + 1) * share) > int(i * share)
+
+
 def write_mooncake(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> str:
     """Write Mooncake-format rows as JSONL; returns a one-line account of what was written."""
     with open(path, "w") as f:

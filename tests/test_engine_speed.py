@@ -34,7 +34,6 @@ def test_no_speed_until_enough_prefills_nor_with_one_engine_known() -> None:
     short = int(ENGINE_MIN_PREFILLS) - 1
     _serve(speeds, {"r0": 30_000.0, "r1": 10_000.0}, scrapes=1, prefills_per_scrape=short)
     assert speeds.speeds.get("r1") is None and speeds.rate("r1") is None
-    _serve(speeds, {"r0": 30_000.0}, scrapes=3)
     alone = EngineSpeeds()
     _serve(alone, {"r0": 30_000.0}, scrapes=3)
     assert alone.rate("r0") == pytest.approx(30_000.0)

@@ -169,9 +169,9 @@ class TrtllmAdapter(EngineAdapter):
                 payload = None
             snap_json = parse_iteration_stats(payload)
             read = iteration_prefill(payload)
-            if read is not None or base_url in self._iterations:
+            if read is not None:
                 sums = self._iterations.setdefault(base_url, [0.0, 0.0, 0.0])
-                for i, v in enumerate(read or (0.0, 0.0, 0.0)):
+                for i, v in enumerate(read):
                     sums[i] += v
         sums = self._iterations.get(base_url)
         if sums is not None:
