@@ -221,7 +221,9 @@ class Pool:
 
     def drop(self, name: str) -> None:
         """Remove a drained replica (nothing in flight) from the pool."""
-        self.replicas.pop(name, None)
+        state = self.replicas.pop(name, None)
+        if state is not None:
+            self.adapter.forget(state.base_url)
         self.router.remove_replica(name)
         self.router.forget_load(name)
         self._refresh_models()

@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
-from backends.adapters import Probe, TrtllmAdapter, VllmAdapter, adapter_for
+from backends.adapters import EngineSnapshot, Probe, TrtllmAdapter, VllmAdapter, adapter_for
 from backends.adapters.trtllm import (
     iteration_prefill,
     parse_iteration_stats,
@@ -17,6 +17,9 @@ from backends.adapters.trtllm import (
 from backends.adapters.vllm import parse_vllm_metrics
 from backends.pool import ReplicaState
 from backends.upstream.aiohttp_client import AiohttpUpstream
+from gateway.config import parse_config
+from gateway.defaults import one_pool_config
+from gateway.wiring import build_pools
 from tests.conftest import ROOT, start_sims
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -268,3 +271,47 @@ def test_adapter_for_knows_only_real_engine_kinds() -> None:
     assert isinstance(adapter_for("trtllm"), TrtllmAdapter)
     with pytest.raises(ValueError, match="expected vllm or trtllm"):
         adapter_for("sim")
+
+
+class _IterationStatsOnly:
+    """An upstream whose trtllm-serve answers /metrics with one timed iteration per read and
+    has no /prometheus/metrics (as it starts by default)."""
+
+    class _Response:
+        def __init__(self, status: int, body: bytes) -> None:
+            self.status, self._body = status, body
+
+        async def read(self) -> bytes:
+            return self._body
+
+        def release(self) -> None:
+            pass
+
+    async def request(self, method: str, url: str, **_: object) -> _Response:
+        if url.endswith("/prometheus/metrics"):
+            return self._Response(404, b"")
+        return self._Response(200, orjson.dumps([{
+            "iterLatencyMS": 50.0, "numActiveRequests": 1, "inflightBatchingStats": {
+                "numCtxTokens": 1000, "numContextRequests": 1, "numGenRequests": 0}}]))
+
+
+def test_trtllm_counters_from_iterations_restart_for_a_replica_dropped_and_added_again() -> None:
+    config = parse_config(one_pool_config(["http://127.0.0.1:1"], 8080, engine="trtllm",
+                                          models=("m",)))
+    [pool] = build_pools(config)
+    url = pool.replicas["replica-0"].base_url
+    upstream = _IterationStatsOnly()
+
+    async def scrape() -> EngineSnapshot | None:
+        return await pool.adapter.scrape(upstream, url, 1.0)
+
+    # Each read drains the engine's queue: the adapter's running sums are the counters.
+    first, second = asyncio.run(scrape()), asyncio.run(scrape())
+    assert (first.computed_prompt_tokens, first.prefill_seconds, first.prefills) == (
+        1000.0, 0.05, 1.0)
+    assert (second.computed_prompt_tokens, second.prefills) == (2000.0, 2.0)
+    # Dropped (as discovery removes a pod) and added again at the same URL: a new engine
+    # behind it, counted from nothing, and nothing kept of the old one meanwhile.
+    pool.drop("replica-0")
+    again = asyncio.run(scrape())
+    assert (again.computed_prompt_tokens, again.prefills) == (1000.0, 1.0)

@@ -90,3 +90,7 @@ class EngineAdapter(ABC):
                        chat: bool, headers: Mapping[str, str]) -> list[int] | None:
         """The engine's own token ids for a request's prompt; None when it cannot tell."""
         return None
+
+    def forget(self, base_url: str) -> None:
+        """The replica at `base_url` left the pool: drop what was kept of it (none here)."""
+        return None

@@ -146,6 +146,11 @@ class TrtllmAdapter(EngineAdapter):
         # read drains the engine's queue, so the running sums are the counters.
         self._iterations: dict[str, list[float]] = {}
 
+    def forget(self, base_url: str) -> None:
+        # Replicas come and go under discovery: what is kept per URL must go with them.
+        self._has_prometheus.pop(base_url, None)
+        self._iterations.pop(base_url, None)
+
     async def scrape(
         self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
