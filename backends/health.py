@@ -244,6 +244,7 @@ class HealthMonitor:
         r.observe_snapshot(snap, pool.health.hit_ratio_window_s, now)
         pool.load.engines.report(r.name, now, snap.computed_prompt_tokens, snap.prefill_seconds,
                                  snap.prefills)
+        pool.load.engine_first_tokens(r.name, snap.first_tokens)
         if not had_capacity and snap.capacity_tokens:
             pool.apply_engine_capacity(r)
         self.listener.engine_state(pool.name, r)

@@ -31,7 +31,8 @@ class Attempt:
     def __init__(self, pool: Pool, replica: ReplicaState, decision: Decision,
                  request: RoutingRequest, traffic_class: str, received_at: float,
                  observer: Observer, keep_events: bool,
-                 monitor: HealthMonitor | None = None, trial: Trial | None = None) -> None:
+                 monitor: HealthMonitor | None = None, trial: Trial | None = None,
+                 blind: bool = False) -> None:
         self.pool = pool
         self.replica = replica
         self.decision = decision
@@ -52,10 +53,12 @@ class Attempt:
         """The replica's response was abandoned: drop its connection, do not reuse it."""
         self.trial = trial
         """The request's experiment trial, if its class is in one: told how it ended."""
-        # On the wall clock: gateways on other hosts compare it with their own requests'.
-        pool.router.dispatched(decision, time())
-        observer.inflight(pool.name, replica.name, 1)
         self.sent_at = perf_counter()
+        # On the wall clock: gateways on other hosts compare it with their own requests'.
+        # `blind`: passed through whole, it shows no first token (its prefill's end is
+        # presumed on the clock of the replicas' views).
+        pool.router.dispatched(decision, time(), self.sent_at if blind else None)
+        observer.inflight(pool.name, replica.name, 1)
 
     def observe(self, chunk: bytes) -> None:
         """Every chunk ends an engine step there (step timing); the first with content ends

@@ -380,7 +380,8 @@ class RequestCore:
         monitor = self.state.monitor
         attempt = Attempt(pool, replica, decision, call.routing, call.traffic_class,
                           call.request.received_at, self.state.observer, call.assemble,
-                          monitor, call.trial)
+                          monitor, call.trial,
+                          blind=not call.request.stream and not call.assemble)
         headers = call.headers
         # The pool's (or replica's) own credentials, and only to it; the client's key only to a
         # pool configured to receive it.

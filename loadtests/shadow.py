@@ -62,8 +62,8 @@ class Shadow:
         assert told is not None  # only routed requests have later events
         return told
 
-    def dispatched(self, rid: int) -> None:
-        self.router.dispatched(self._decision(rid))
+    def dispatched(self, rid: int, blind_at: float | None = None) -> None:
+        self.router.dispatched(self._decision(rid), blind_at=blind_at)
 
     def first_token(self, rid: int, now: float, sent_at: float) -> None:
         self.router.first_token(self._decision(rid), now, sent_at)

@@ -395,6 +395,8 @@ def run_pool(
                 router.load.engines.report(
                     names[k], at, stats.prompt_tokens - stats.prompt_cached_tokens,
                     stats.prefill_time_sum, stats.prefill_time_count)
+                # What it reads of the engine's first tokens (ends passed-through prefills).
+                router.load.engine_first_tokens(names[k], stats.ttft_count)
 
     scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
                     if metrics_interval_s else lambda t: None)
@@ -505,9 +507,10 @@ def run_pool(
             continue  # a prompt longer than the engine's KV cache: a 400 error over HTTP
         replica_of[rid] = i
         decisions[rid] = decision
-        router.dispatched(decision, now)
+        blind_at = None if streamed[rid] else now
+        router.dispatched(decision, now, blind_at)
         if shade is not None:
-            shade.dispatched(rid)
+            shade.dispatched(rid, blind_at)
         gws.changed(g, now)
         routed[i] += 1
         reschedule(i)

@@ -37,8 +37,9 @@ class LoadTracker:
     engine steps from the chunks it streams (routing/steps.py).
     """
 
-    __slots__ = ("_drain", "_ends", "_first_tokens", "_order", "_unseen", "decode_step_wait",
-                 "engines", "inflight", "pending_prefill", "remote", "steps")
+    __slots__ = ("_blind", "_blind_inflight", "_decoding", "_drain", "_ends", "_engine_firsts",
+                 "_first_tokens", "_order", "_presumed", "_unseen", "decode_step_wait", "engines",
+                 "inflight", "pending_prefill", "remote", "steps")
 
     def __init__(self, prefill_tokens_per_s: float | None = None,
                  speed_decode_agrees: float = DECODE_AGREES,
@@ -62,6 +63,22 @@ class LoadTracker:
         self._order: dict[str, deque[tuple[float, float]]] = {}
         """Replica -> (uncached tokens, when sent: `dispatched`) of its requests awaiting a
         first token, oldest first."""
+        self._blind: dict[str, deque[tuple[float, float]]] = {}
+        """Replica -> (when its prefill presumably ends, inf: not before the engine's count
+        or its answer says so; uncached tokens) of its requests whose first token this
+        gateway will not see (`dispatched` with `blind_at`), oldest first, while presumably
+        queued: see `_expect_blind`."""
+        self._blind_inflight: dict[str, int] = {}
+        """Replica -> its requests in flight that show this gateway nothing until they end."""
+        self._decoding: dict[str, int] = {}
+        """Replica -> its requests past a first token this gateway saw, not yet ended: while
+        there are some, every engine step there streams a chunk."""
+        self._engine_firsts: dict[str, tuple[float, int]] = {}
+        """Replica -> (first tokens its engine had reported, first tokens gateways had seen
+        there) at its last scrape: see `engine_first_tokens`."""
+        self._presumed: dict[str, dict[float, int]] = {}
+        """Replica -> uncached tokens -> how many of its unseen requests of that size were
+        presumed prefilled and have not finished yet."""
         self._first_tokens: dict[str, int] = {}
         """Replica -> first tokens seen there so far, told to other gateways (`own_load`)."""
         self.remote: dict[str, RemoteLoad] = {}
@@ -102,10 +119,16 @@ class LoadTracker:
                        for r, (n, p, left, firsts, oldest) in loads.items() if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float,
-                   sent_at: float | None = None) -> None:
+                   sent_at: float | None = None, blind_at: float | None = None) -> None:
         """A request with `uncached_tokens` to prefill was sent to `replica` at `sent_at`,
         on a clock every gateway sharing this one's state reads alike (wall-clock seconds in
-        the gateway); None: unknown, as if before any other gateway's."""
+        the gateway); None: unknown, as if before any other gateway's. `blind_at`: the
+        request will show this gateway no first token (passed through whole), and was sent
+        at this time on the clock of `view`: see `_expect_blind`."""
+        if blind_at is not None:
+            self._expect_blind(replica, uncached_tokens, blind_at)
+            self._blind_inflight[replica] = self._blind_inflight.get(replica, 0) + 1
+            self._unseen_steps(replica)
         self._order.setdefault(replica, deque()).append(
             (uncached_tokens, -math.inf if sent_at is None else sent_at))
         self.steps.dispatched(replica, idle=not self.inflight.get(replica, 0)
@@ -121,7 +144,11 @@ class LoadTracker:
         awaiting = self.pending_prefill.get(replica, 0.0) > 0.0
         if awaiting:
             self._credit(replica, now, batch, others)
-        self.steps.chunk(replica, now, batch, awaiting, others[3] if others is not None else 0)
+        ends = self._blind.get(replica)
+        if ends:
+            self._presume_prefilled(replica, now)
+        self.steps.chunk(replica, now, batch, awaiting, others[3] if others is not None else 0,
+                         hidden=bool(ends))
 
     def batch(self, replica: str) -> int:
         """Requests in flight on the replica, this gateway's and the others' (as they last
@@ -149,6 +176,7 @@ class LoadTracker:
                 if i is not None:
                     del order[i]
         if now is not None:
+            self._decoding[replica] = self._decoding.get(replica, 0) + 1
             self._first_tokens[replica] = self._first_tokens.get(replica, 0) + 1
             if dispatched_at is not None:
                 self.steps.prefill_done(replica, uncached_tokens, now, dispatched_at,
@@ -160,10 +188,112 @@ class LoadTracker:
         self._ends = self._ends * keep + 1.0
         self._unseen = self._unseen * keep + (0.0 if saw_first_token else 1.0)
         left = self.inflight[replica] = max(0, self.inflight.get(replica, 0) - 1)
+        if saw_first_token:
+            self._decoding[replica] = max(0, self._decoding.get(replica, 0) - 1)
+        elif self._blind_inflight.get(replica):
+            # Or a streamed request that failed before its first token: rare, and the count
+            # is right again once the replica has nothing in flight.
+            self._blind_inflight[replica] -= 1
         if not left:
+            self._decoding[replica] = self._blind_inflight[replica] = 0
             self.steps.idle(replica)
-        if not saw_first_token:
+        else:
+            self._unseen_steps(replica)
+        if not saw_first_token and not self._unexpect_blind(replica, uncached_tokens):
             self.first_token(replica, uncached_tokens)
+
+    def _unseen_steps(self, replica: str) -> None:
+        """With requests there that show nothing and none that streams a chunk each step,
+        the engine's steps go unseen: the gap to the next chunk is not one step (its ends
+        are forgotten, as when the replica goes idle).
+
+        Timed as one step, such gaps of several seconds made a replica's typical step and
+        the wait for it (`StepTimer.remaining`) as long: on the slow fleet near saturation
+        with half the requests passed through, a tenth of the views priced the step in
+        flight past 100k tokens, and requests spilled off their cache."""
+        if self._blind_inflight.get(replica) and not self._decoding.get(replica):
+            self.steps.idle(replica)
+
+    def _expect_blind(self, replica: str, uncached_tokens: float, now: float) -> None:
+        """Queue a request sent at `now` whose first token this gateway will not see: its
+        prefill is presumed done when the engine's count of first tokens says so
+        (`engine_first_tokens`), or, where the engine reports none, at an estimate: after what
+        is queued there, at the replica's rate. Without either, at its answer.
+
+        Counted as queued until its answer, a passed-through request held its replica's
+        queue up for its whole decode: on the slow fleet near saturation with half the
+        requests passed through, every replica looked queued, requests spilled off their
+        cache, and the recomputation drove the fleet into a spiral (mean TTFT 60 s, against
+        3.7 s with every request streamed). The estimate errs late under a standing queue
+        (by 10 s at the median there), so the engine's count, late by a scrape at most, is
+        preferred where there is one."""
+        ends = self._blind.setdefault(replica, deque())
+        rate = None if replica in self._engine_firsts else self._blind_rate(replica)
+        if rate is None:
+            end = math.inf
+        else:
+            ahead = self.prefill_left(replica)
+            if self.remote:
+                ahead += self.remote.get(replica, NO_LOAD)[2]
+            end = now + (ahead + uncached_tokens) / rate
+            if ends and end < ends[-1][0]:
+                end = ends[-1][0]  # an engine prefills in arrival order
+        ends.append((end, uncached_tokens))
+
+    def _blind_rate(self, replica: str) -> float | None:
+        """Prefill tokens per second the replica computes, for `_expect_blind`: its own
+        learned rate, or the pool's at its speed, or its engine's (`EngineSpeeds`)."""
+        own = self.steps.replica_rate(replica)
+        if own is None:
+            pool = self.steps.rate
+            own = pool * self.speed(replica) if pool > 0.0 else self.engines.rate(replica)
+        return own
+
+    def _presume_prefilled(self, replica: str, now: float) -> None:
+        """The unseen requests whose estimated prefill end is past: no longer queued."""
+        ends = self._blind[replica]
+        while ends and ends[0][0] <= now:
+            self._presume_oldest(replica, ends)
+
+    def _presume_oldest(self, replica: str, ends: deque[tuple[float, float]]) -> None:
+        """The oldest unseen request there is presumed prefilled: no longer queued."""
+        _, tokens = ends.popleft()
+        presumed = self._presumed.setdefault(replica, {})
+        presumed[tokens] = presumed.get(tokens, 0) + 1
+        self.first_token(replica, tokens)
+
+    def engine_first_tokens(self, replica: str, count: float | None) -> None:
+        """The replica's engine has produced `count` first tokens so far (from its metrics,
+        None: it reports none). Those no gateway saw since the last reading ended the
+        prefills of requests passed through whole: as many of this gateway's oldest unseen
+        requests there are presumed prefilled (an engine prefills in arrival order)."""
+        if count is None:
+            return
+        seen = self._first_tokens.get(replica, 0)
+        if self.remote:
+            seen += self.remote.get(replica, NO_LOAD)[3]
+        last = self._engine_firsts.get(replica)
+        self._engine_firsts[replica] = (count, seen)
+        ends = self._blind.get(replica)
+        if last is None or count < last[0] or not ends:
+            return  # the first reading, the engine restarted, or nothing unseen there
+        unseen = int(count - last[0]) - (seen - last[1])
+        for _ in range(min(unseen, len(ends))):
+            self._presume_oldest(replica, ends)
+
+    def _unexpect_blind(self, replica: str, uncached_tokens: float) -> bool:
+        """An unseen request of `uncached_tokens` ended: True if it was already presumed
+        prefilled (nothing left to take off the queue); its estimate goes if not."""
+        presumed = self._presumed.get(replica)
+        if presumed and _take(presumed, uncached_tokens):
+            return True
+        ends = self._blind.get(replica)
+        if ends:
+            for i, (_, tokens) in enumerate(ends):
+                if tokens == uncached_tokens:
+                    del ends[i]
+                    break
+        return False
 
     def forget(self, replica: str) -> None:
         """The replica left: its counters and step timing go."""
@@ -172,6 +302,11 @@ class LoadTracker:
         self._drain.pop(replica, None)
         self._order.pop(replica, None)
         self._first_tokens.pop(replica, None)
+        self._blind.pop(replica, None)
+        self._blind_inflight.pop(replica, None)
+        self._decoding.pop(replica, None)
+        self._presumed.pop(replica, None)
+        self._engine_firsts.pop(replica, None)
         self.steps.forget(replica)
         self.engines.forget(replica)
 
@@ -243,6 +378,8 @@ class LoadTracker:
         """What a policy sees of `replica` at `now`: this router's load there and the other
         gateways', its step and speeds, and what the engine's last scraped metrics said
         (`engine_waiting`, `kv_usage`; as the defaults, never scraped)."""
+        if now is not None and self._blind.get(replica):
+            self._presume_prefilled(replica, now)
         steps = self.steps
         rate = steps.rate  # a property that adds what other gateways learned: read it once
         speed, speed_timed = self._speed(replica)
@@ -273,6 +410,18 @@ class LoadTracker:
             engine_waiting=engine_waiting,
             kv_usage=kv_usage,
         )
+
+
+def _take(counts: dict[float, int], key: float) -> bool:
+    """One less of `key` in the multiset `counts`: False if there was none."""
+    n = counts.get(key, 0)
+    if not n:
+        return False
+    if n > 1:
+        counts[key] = n - 1
+    else:
+        del counts[key]
+    return True
 
 
 def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str, RemoteLoad]:

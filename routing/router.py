@@ -236,10 +236,12 @@ class Router:
 
     # A request's life after the decision ---------------------------------------------------
 
-    def dispatched(self, decision: Decision, sent_at: float | None = None) -> None:
+    def dispatched(self, decision: Decision, sent_at: float | None = None,
+                   blind_at: float | None = None) -> None:
         """The request was sent to `decision.replica` at `sent_at` (on the clock gateways
-        sharing routing state read alike: `LoadTracker.dispatched`)."""
-        self.load.dispatched(decision.replica, decision.uncached_tokens, sent_at)
+        sharing routing state read alike: `LoadTracker.dispatched`); `blind_at`: it will
+        show no first token, and was sent then on the clock of the views."""
+        self.load.dispatched(decision.replica, decision.uncached_tokens, sent_at, blind_at)
         if self._tell_load:
             self._load_update(decision.replica)
 

@@ -356,11 +356,14 @@ class StepTimer:
         return self._decode.predict(batch)
 
     def chunk(self, replica: str, now: float, inflight: int = 1,
-              awaiting_prefill: bool = False, others_first_tokens: int = 0) -> None:
+              awaiting_prefill: bool = False, others_first_tokens: int = 0,
+              hidden: bool = False) -> None:
         """The replica, with `inflight` requests there (some of this gateway's
         `awaiting_prefill`: sent, no first token yet), streamed a chunk at `now`.
         `others_first_tokens`: how many first tokens other gateways sharing this one's state
-        have seen there so far, as they last said (`LoadTracker.own_load`)."""
+        have seen there so far, as they last said (`LoadTracker.own_load`). `hidden`: a
+        request there whose first token this gateway will not see (passed through whole) is
+        presumably still to be prefilled: the step beginning now may compute some of it."""
         r = self._replicas.get(replica)
         if r is None:
             r = self._replicas[replica] = _Steps()
@@ -389,6 +392,7 @@ class StepTimer:
         r.others_seen = others_first_tokens
         r.batch = inflight
         r.awaiting = awaiting_prefill
+        r.hidden = hidden
 
     def _same_step_s(self, r: _Steps) -> float:
         """How far apart two of the replica's chunks may arrive and still end one step."""
@@ -411,8 +415,15 @@ class StepTimer:
         decode = self._decode.predict(batch)
         # A step no longer than decode alone takes carried no prefill chunk: a prefill that
         # ends in the next step must have run in that step alone.
-        r.prev_decode_only = (not firsts and not r.others_ended and decode is not None
-                              and length <= DECODE_ONLY_FACTOR * decode)
+        r.prev_decode_only = (not firsts and not r.others_ended and not r.hidden
+                              and decode is not None and length <= DECODE_ONLY_FACTOR * decode)
+        if r.hidden:
+            # It may have computed a prefill this gateway cannot see. Taken for decode steps
+            # when no first token showed, such steps raised the decode line to 1.1 s at a
+            # batch of 55 where the engines take 0.13 s (the slow fleet near saturation, half
+            # the requests passed through), and the prefill rate measured against it to 17x
+            # the truth: the wait for a step in flight was priced past 100k tokens.
+            return
         if r.others_ended:
             # It ended another gateway's prefill, whose tokens and dispatch this one does not
             # know: not a decode step, and no measure of a prefill. Taken for decode steps,
@@ -572,7 +583,7 @@ def _typical_same_step_s(r: _Steps) -> float:
 class _Steps:
     """One replica's step timing: the last two step ends and what the last step carried."""
 
-    __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "idle_sent",
+    __slots__ = ("alone_samples", "awaiting", "batch", "decode", "firsts", "hidden", "idle_sent",
                  "last_end", "left_alone", "others_ended", "others_seen", "prefill",
                  "prev_decode_only", "prev_end", "prev_start", "rate_samples", "rate_seconds",
                  "rate_tokens", "step_s")
@@ -584,6 +595,7 @@ class _Steps:
         self.step_s: float | None = None  # typical step length, a moving average
         self.batch = 0  # requests in flight when the last step ended
         self.awaiting = False  # a prefill was waiting when the step in flight began
+        self.hidden = False  # one this gateway cannot see was, presumably (`chunk`)
         self.firsts = 0  # first tokens at the end of the last step
         self.left_alone = False  # the last of them left nothing of this gateway's queued
         # Other gateways' first tokens there as they said when the step in flight began, and

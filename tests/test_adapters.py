@@ -36,6 +36,7 @@ def test_real_vllm_cpu_metrics_page() -> None:
     assert snap.capacity_tokens == 65536
     assert snap.computed_prompt_tokens == 17072.0
     assert (snap.prefill_seconds, snap.prefills) == (3.963870201000134, 33.0)
+    assert snap.first_tokens == 33.0
 
 
 def test_real_vllm_busy_page_prefill_counters() -> None:
@@ -44,6 +45,9 @@ def test_real_vllm_busy_page_prefill_counters() -> None:
     # not the 21,261 counted so far by source: some of those belong to requests still running.
     assert snap.computed_prompt_tokens == 21181.0
     assert (snap.prefill_seconds, snap.prefills) == (4.971413573000177, 37.0)
+    # First tokens are counted as each prefill ends: one more than the prefills of finished
+    # requests (the prefill histogram), a request still decoding.
+    assert snap.first_tokens == 38.0
 
 
 _PROMPT_AND_HITS = """\

@@ -372,6 +372,9 @@ async def test_exported_prefill_counters_parse_back_to_the_engine_counters(
         assert (snap.prefill_seconds, snap.prefills) == (
             s.prefill_time_sum, s.prefill_time_count), name
         assert snap.prefills == 3 and snap.prefill_seconds > 0
+        # vLLM's first tokens (its TTFT histogram's count); TensorRT-LLM's histogram is not
+        # read for them.
+        assert snap.first_tokens == (s.ttft_count if name == "v1" else None), name
     await _client(cluster, "t1").completions.create(model="tiny", prompt="x", max_tokens=1)
     async with http.get(_url(cluster, "t1", "/prometheus/metrics")) as resp:
         legacy = parse_trtllm_prometheus(await resp.text())

@@ -33,6 +33,9 @@ class EngineSnapshot:
     """Cumulative seconds requests spent in prefill (the prefill-time histogram's sum)."""
     prefills: float | None = None
     """How many requests `prefill_seconds` counts (the prefill-time histogram's count)."""
+    first_tokens: float | None = None
+    """Cumulative first tokens the engine has produced (counted as each prefill ends, not
+    when the request finishes): ends the prefills of requests the gateway passed through."""
     source: str = ""
     """Which surface or metric-name generation the values came from."""
 

@@ -82,6 +82,8 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         computed_prompt_tokens=computed,
         prefill_seconds=sums.get("vllm:request_prefill_time_seconds_sum"),
         prefills=sums.get("vllm:request_prefill_time_seconds_count"),
+        # Observed in the engine step that produces each request's first token.
+        first_tokens=sums.get("vllm:time_to_first_token_seconds_count"),
         source="vllm:" + ("deprecated-names" if hits_name.startswith("vllm:gpu_") or
                           kv_name.startswith("vllm:gpu_") else "current-names"),
     )
