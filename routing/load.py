@@ -10,12 +10,13 @@ from routing.engine_speed import EngineSpeeds
 from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
 
-RemoteLoad = tuple[int, float, float, int, float]
+RemoteLoad = tuple[int, float, float, int, float, int]
 """Other gateways' load on a replica: (requests in flight, pending prefill tokens, of which
 presumably not yet computed, first tokens seen there so far, when the oldest request still
-awaiting its first token was sent: inf if none or not said)."""
+awaiting its first token was sent: inf if none or not said, requests passed through whole
+whose prefill is presumably not done)."""
 
-NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf)
+NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf, 0)
 """No other gateway's load on a replica."""
 
 ENDS_DECAY = 200.0
@@ -90,7 +91,8 @@ class LoadTracker:
         """What this gateway has in flight, as it tells others: {replica: [requests, pending
         prefill tokens, of those presumably not yet computed (`prefill_left`), first tokens
         seen there so far, when the oldest request awaiting its first token was sent (None:
-        none, or not said)]} for the replicas with requests.
+        none, or not said), requests passed through whole whose prefill is presumably not
+        done (`engine_first_tokens`)]} for the replicas with requests.
 
         Others must see the same drained figure this gateway routes on: counted whole, its
         long prompts would make a replica look busier to every other gateway than to it, and
@@ -108,15 +110,17 @@ class LoadTracker:
                 order = self._order.get(r)
                 oldest = order[0][1] if order and p > 0.0 else -math.inf
                 out[r] = [n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
-                          round(oldest, 3) if oldest > -math.inf else None]
+                          round(oldest, 3) if oldest > -math.inf else None,
+                          len(self._blind.get(r, ()))]
         return out
 
     def set_remote(self, loads: Mapping[str, RemoteLoad]) -> None:
         """Replace the other gateways' load with `loads` (`sum_loads`; replicas absent:
         none)."""
         self.remote = {r: (max(0, int(n)), max(0.0, float(p)), max(0.0, float(left)),
-                           int(firsts), float(oldest))
-                       for r, (n, p, left, firsts, oldest) in loads.items() if n > 0 or p > 0}
+                           int(firsts), float(oldest), max(0, int(unseen[0])) if unseen else 0)
+                       for r, (n, p, left, firsts, oldest, *unseen) in loads.items()
+                       if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float,
                    sent_at: float | None = None, blind_at: float | None = None) -> None:
@@ -270,14 +274,18 @@ class LoadTracker:
         if count is None:
             return
         seen = self._first_tokens.get(replica, 0)
-        if self.remote:
-            seen += self.remote.get(replica, NO_LOAD)[3]
+        others = self.remote.get(replica, NO_LOAD) if self.remote else NO_LOAD
+        seen += others[3]
         last = self._engine_firsts.get(replica)
         self._engine_firsts[replica] = (count, seen)
         ends = self._blind.get(replica)
         if last is None or count < last[0] or not ends:
             return  # the first reading, the engine restarted, or nothing unseen there
         unseen = int(count - last[0]) - (seen - last[1])
+        if others[5]:
+            # Other gateways' requests passed through end there too, and each gateway reads
+            # the same count: each takes its share, as its requests are of those waiting.
+            unseen = int(unseen * len(ends) / (len(ends) + others[5]) + 0.5)
         for _ in range(min(unseen, len(ends))):
             self._presume_oldest(replica, ends)
 
@@ -429,7 +437,7 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str
     oldest of theirs), for `set_remote`. An entry of an older gateway lacks the last figures:
     without the drained one it counts its pending prefill whole; without the first tokens,
     none (steps ending its prefills teach this gateway as its own would); without the oldest
-    request, none ahead of this gateway's."""
+    request, none ahead of this gateway's; without the requests passed through, none."""
     total: dict[str, RemoteLoad] = {}
     for replicas in loads:
         for replica, entry in replicas.items():
@@ -437,6 +445,8 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str
             left = float(entry[2]) if len(entry) > 2 else pending
             firsts = int(entry[3]) if len(entry) > 3 else 0
             oldest = entry[4] if len(entry) > 4 and entry[4] is not None else math.inf
-            n0, p0, l0, f0, o0 = total.get(replica, NO_LOAD)
-            total[replica] = (n0 + n, p0 + pending, l0 + left, f0 + firsts, min(o0, oldest))
+            unseen = int(entry[5]) if len(entry) > 5 and entry[5] is not None else 0
+            n0, p0, l0, f0, o0, u0 = total.get(replica, NO_LOAD)
+            total[replica] = (n0 + n, p0 + pending, l0 + left, f0 + firsts, min(o0, oldest),
+                              u0 + unseen)
     return total

@@ -11,7 +11,7 @@ from backends.sim.fleet_spec import fleet_profiles
 from gateway import processes
 from gateway.defaults import one_pool_config
 from loadtests.simulate import load_workload, simulate
-from routing.load import LoadTracker
+from routing.load import LoadTracker, sum_loads
 from routing.steps import StepTimer
 from tests.conftest import poll, start_gateway, start_sims
 
@@ -34,6 +34,21 @@ def test_the_engines_first_token_count_ends_the_oldest_passed_through_prefills()
     assert load.pending_prefill["r0"] == 0.0
     load.engine_first_tokens("r0", 13)  # its first token: nothing left to take off
     assert load.pending_prefill["r0"] == 0.0
+
+
+def test_gateways_sharing_a_replica_each_take_their_share_of_the_engines_count() -> None:
+    a, b = LoadTracker(), LoadTracker()
+    for gateway in (a, b):
+        gateway.engine_first_tokens("r0", 0)
+        gateway.dispatched("r0", 1000.0, blind_at=0.0)
+        gateway.dispatched("r0", 1000.0, blind_at=0.0)
+    a.set_remote(sum_loads([b.own_load()]))
+    b.set_remote(sum_loads([a.own_load()]))
+    # Two prefills passed through ended: each gateway reads the same count of two, and
+    # takes one of its own off the queue (taking two each, the queues would err short).
+    for gateway in (a, b):
+        gateway.engine_first_tokens("r0", 2)
+        assert gateway.pending_prefill["r0"] == 1000.0
 
 
 def test_an_engine_restart_counts_no_first_tokens() -> None:
