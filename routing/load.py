@@ -109,9 +109,13 @@ class LoadTracker:
                 done = (p - self.prefill_left(r)) // 16.0 * 16.0 if p > 0.0 else 0.0
                 order = self._order.get(r)
                 oldest = order[0][1] if order and p > 0.0 else -math.inf
-                out[r] = [n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
-                          round(oldest, 3) if oldest > -math.inf else None,
-                          len(self._blind.get(r, ()))]
+                entry: list[float | None] = [
+                    n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
+                    round(oldest, 3) if oldest > -math.inf else None]
+                unseen = len(self._blind.get(r, ()))
+                if unseen:  # most often none: the figure is left out, as older gateways do
+                    entry.append(unseen)
+                out[r] = entry
         return out
 
     def set_remote(self, loads: Mapping[str, RemoteLoad]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
+from routing.load import NO_LOAD
 from routing.types import ReplicaView
 from tests.conftest import eventually, poll, start_gateways, start_sims, tenant_prompt
 from tests.inprocess import Harness, gateway, two_pools
@@ -147,15 +148,19 @@ async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServe
         assert view.pending_prefill_tokens == 3000.0
         assert router_b.load.inflight.get("rt-2", 0) == 0  # not B's own to finish
         # When A's oldest request there was sent: B credits none of its own ahead of it.
-        assert router_b.load.remote["rt-2"][3:] == (0, 1000.25)
+        assert router_b.load.remote["rt-2"][3:] == (0, 1000.25, 0)
         # A's first token there: B learns that a step there ended a prefill of A's.
         load_a.first_token("rt-2", 1000.0, 1001.0, 1000.25)
-        await eventually(lambda: router_b.load.remote["rt-2"][3:] == (1, 1000.5))
+        await eventually(lambda: router_b.load.remote["rt-2"][3:] == (1, 1000.5, 0))
         load_a.first_token("rt-2", 2000.0)
         for _ in range(3):
             load_a.finished("rt-2", 0.0, True)
         await eventually(lambda: router_b.load.view("rt-2").inflight == 0)
         assert router_b.load.view("rt-2").pending_prefill_tokens == 0.0
+        # A request of A's passed through whole: B counts it among those the engine's count
+        # of first tokens must be shared with (`LoadTracker.engine_first_tokens`).
+        load_a.dispatched("rt-2", 500.0, 1002.0, blind_at=5.0)
+        await eventually(lambda: router_b.load.remote.get("rt-2", NO_LOAD)[5] == 1)
 
 
 async def test_load_booked_after_a_quiet_spell_is_seen_without_any_insert(
