@@ -204,6 +204,10 @@ class LoadTracker:
             self._blind_inflight[replica] -= 1
         if not left:
             self._decoding[replica] = self._blind_inflight[replica] = 0
+            # Nothing in flight, nothing passed through waits: what a miscount (a request
+            # that failed before its first token, taken for one passed through) left goes.
+            self._blind.pop(replica, None)
+            self._presumed.pop(replica, None)
             self.steps.idle(replica)
         else:
             self._unseen_steps(replica)

@@ -51,6 +51,19 @@ def test_gateways_sharing_a_replica_each_take_their_share_of_the_engines_count()
         assert gateway.pending_prefill["r0"] == 1000.0
 
 
+def test_nothing_is_kept_of_passed_through_requests_once_none_is_in_flight() -> None:
+    load = LoadTracker()
+    load.engine_first_tokens("r0", 0)
+    load.dispatched("r0", 700.0, blind_at=0.0)
+    load.dispatched("r0", 700.0)  # streamed, fails before its first token
+    load.engine_first_tokens("r0", 1)  # the passed-through one is prefilled
+    load.finished("r0", 700.0, saw_first_token=False)  # the streamed failure, same size
+    load.finished("r0", 700.0, saw_first_token=False)
+    assert load.pending_prefill["r0"] == 0.0
+    assert not load.own_load()
+    assert load._blind.get("r0") is None and load._presumed.get("r0") is None
+
+
 def test_an_engine_restart_counts_no_first_tokens() -> None:
     load = LoadTracker()
     load.engine_first_tokens("r0", 500)
