@@ -199,3 +199,27 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
     # and the seconds of a scrape interval capped at its length (which can only raise it).
     read = pool["replicas"][0]["engine_prefill_tokens_per_s"]
     assert engine_rate / 2 < read < engine_rate * 2, (read, engine_rate)
+
+
+def test_a_real_engine_counts_a_first_token_before_the_request_ends(vllm_replicas) -> None:
+    # The gateway takes requests it passed through whole off a replica's queue when the
+    # engine's count of first tokens (its TTFT histogram) moves past those it saw stream
+    # (routing/load.py, engine_first_tokens): that count must move at the first token, not
+    # when the request ends. A stream read to its first token and then dropped never ends
+    # successfully, and its first token is counted all the same.
+    url = vllm_replicas[1].url
+    names = ("vllm:time_to_first_token_seconds_count", "vllm:request_success_total",
+             "vllm:num_requests_running", "vllm:num_requests_waiting")
+    before = engine_sums(url, *names)
+    with httpx.stream("POST", url + "/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "model": "tiny", "prompt": "Count the first token. " * 40, "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                break  # the first token: the request is dropped here, mid-generation
+    # Aborted: nothing left running, and no success counted.
+    after = poll(lambda: (s := engine_sums(url, *names))[2] + s[3] == 0 and s,
+                 deadline_s=REQUEST_TIMEOUT_S)
+    assert after[1] == before[1], (before, after)
+    assert after[0] == before[0] + 1, (before, after)
