@@ -236,6 +236,7 @@ class HealthMonitor:
             log.warning("replica %s/%s (%s) is down: %s", pool.name, r.name, r.base_url, why)
 
     async def scrape(self, pool: Pool, r: ReplicaState) -> None:
+        read_at = time.time()  # the clock requests are stamped with as they are sent
         snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
         if snap is None or r.draining or pool.replicas.get(r.name) is not r:
             return
@@ -245,6 +246,8 @@ class HealthMonitor:
         pool.load.engines.report(r.name, now, snap.computed_prompt_tokens, snap.prefill_seconds,
                                  snap.prefills)
         pool.load.engine_first_tokens(r.name, snap.first_tokens)
+        pool.load.engine_prefills_waiting(r.name, snap.prefills_waiting, read_at,
+                                          snap.prefills_waiting_lag_s or 0.0)
         if not had_capacity and snap.capacity_tokens:
             pool.apply_engine_capacity(r)
         self.listener.engine_state(pool.name, r)

@@ -82,6 +82,8 @@ DEFAULT_PROFILE = "qwen-32b-h200"
 DEFAULT_KV_CAPACITY_TOKENS = 512_000
 DEFAULT_ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block
 DEFAULT_MAX_OUTPUT = 1024
+FIRST_TOKEN_SIGNALS = ("count", "waiting", "none")
+"""What a scrape can say of passed-through prefills: see run_pool's `first_tokens`."""
 SAMPLE_INTERVAL_S = 0.5
 # The gateway scrapes every replica's /metrics this often by default: policies see the
 # engine's own queue and KV usage as of the last scrape, not as they are now.
@@ -290,6 +292,7 @@ def run_pool(
     sharing: Sharing | None = None,
     shadow: bool | None = None,
     stream_share: float = 1.0,
+    first_tokens: str = "count",
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -313,7 +316,13 @@ def run_pool(
     `stream_share`: the share of requests that stream (spread evenly over the arrivals). The
     others are non-streaming requests passed through, as the gateway does by default
     (`server.non_streaming_ttft: false`): their gateway sees no chunk and no first token, only
-    the answer, so it times no engine step with them and learns no rate from them."""
+    the answer, so it times no engine step with them and learns no rate from them.
+
+    `first_tokens`: what the engines' scrapes say of the prefills of those requests. "count":
+    the first tokens made so far, as vLLM reports them; "waiting": how many requests wait
+    for their first token, as TensorRT-LLM's iteration stats tell; "none": nothing."""
+    if first_tokens not in FIRST_TOKEN_SIGNALS:
+        raise ValueError(f"first_tokens: one of {FIRST_TOKEN_SIGNALS}")
     settings = settings or RoutingSettings()
     profs = list(profiles)
     replicas = len(profs)
@@ -396,7 +405,10 @@ def run_pool(
                     names[k], at, stats.prompt_tokens - stats.prompt_cached_tokens,
                     stats.prefill_time_sum, stats.prefill_time_count)
                 # What it reads of the engine's first tokens (ends passed-through prefills).
-                router.load.engine_first_tokens(names[k], stats.ttft_count)
+                if first_tokens == "count":
+                    router.load.engine_first_tokens(names[k], stats.ttft_count)
+                elif first_tokens == "waiting":
+                    router.load.engine_prefills_waiting(names[k], stats.prefills_waiting, at)
 
     scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
                     if metrics_interval_s else lambda t: None)
@@ -540,6 +552,7 @@ def simulate(
     gateways: int = 1,
     sharing: Sharing | None = None,
     stream_share: float = 1.0,
+    first_tokens: str = "count",
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
@@ -547,7 +560,8 @@ def simulate(
     (run_pool), how they shared their state.
 
     `fleet` gives each replica its own profile and slowdown (its length is the replica count);
-    else there are `replicas` replicas of `profile`. `stream_share`: as run_pool."""
+    else there are `replicas` replicas of `profile`. `stream_share`, `first_tokens`: as
+    run_pool."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     fleet = list(fleet) if fleet else [ReplicaProfile(profile)] * replicas
@@ -559,7 +573,8 @@ def simulate(
                    max_output=max_output, engine_block_tokens=engine_block_tokens,
                    settings=settings, policy_params=policy_params,
                    policy_factory=policy_factory, metrics_interval_s=metrics_interval_s,
-                   gateways=gateways, sharing=sharing, stream_share=stream_share)
+                   gateways=gateways, sharing=sharing, stream_share=stream_share,
+                   first_tokens=first_tokens)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -684,6 +699,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stream-share", type=float, default=1.0,
                     help="share of requests that stream (0-1); the others are passed through "
                          "whole, as the gateway does by default, and time no engine step")
+    ap.add_argument("--first-tokens", choices=FIRST_TOKEN_SIGNALS, default="count",
+                    help="what the engines say of the prefills of requests passed through: "
+                         "their count of first tokens (vLLM), how many requests wait for "
+                         "theirs (TensorRT-LLM), or nothing")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -718,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           settings=settings[name], fleet=fleet,
                           metrics_interval_s=args.metrics_interval_s or None,
                           gateways=args.gateways, sharing=sharing,
-                          stream_share=args.stream_share)
+                          stream_share=args.stream_share, first_tokens=args.first_tokens)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

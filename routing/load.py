@@ -24,6 +24,10 @@ ENDS_DECAY = 200.0
 UNSEEN_SHARE = 0.1
 """While at least this share of requests end with no first token seen, speeds are the
 engines' where they report them (`LoadTracker.speed`)."""
+ENGINE_READ_SLACK_S = 0.1
+"""A request sent this long before the step an engine's counts are of ended is in its count
+of requests awaiting a first token (`LoadTracker.engine_prefills_waiting`): time for the
+request to cross to the engine and be parsed and queued there."""
 HEAD_CREDIT_MAX = 0.9
 """At most this share of the oldest pending request's prefill is presumed done before its
 first token arrives."""
@@ -39,6 +43,7 @@ class LoadTracker:
     """
 
     __slots__ = ("_blind", "_blind_inflight", "_decoding", "_drain", "_ends", "_engine_firsts",
+
                  "_first_tokens", "_order", "_presumed", "_unseen", "decode_step_wait", "engines",
                  "inflight", "pending_prefill", "remote", "steps")
 
@@ -64,11 +69,11 @@ class LoadTracker:
         self._order: dict[str, deque[tuple[float, float]]] = {}
         """Replica -> (uncached tokens, when sent: `dispatched`) of its requests awaiting a
         first token, oldest first."""
-        self._blind: dict[str, deque[tuple[float, float]]] = {}
+        self._blind: dict[str, deque[tuple[float, float, float]]] = {}
         """Replica -> (when its prefill presumably ends, inf: not before the engine's count
-        or its answer says so; uncached tokens) of its requests whose first token this
-        gateway will not see (`dispatched` with `blind_at`), oldest first, while presumably
-        queued: see `_expect_blind`."""
+        or its answer says so; uncached tokens; when sent, on the clock of `dispatched`'s
+        `sent_at`) of its requests whose first token this gateway will not see (`dispatched`
+        with `blind_at`), oldest first, while presumably queued: see `_expect_blind`."""
         self._blind_inflight: dict[str, int] = {}
         """Replica -> its requests in flight that show this gateway nothing until they end."""
         self._decoding: dict[str, int] = {}
@@ -134,7 +139,8 @@ class LoadTracker:
         request will show this gateway no first token (passed through whole), and was sent
         at this time on the clock of `view`: see `_expect_blind`."""
         if blind_at is not None:
-            self._expect_blind(replica, uncached_tokens, blind_at)
+            self._expect_blind(replica, uncached_tokens, blind_at,
+                               -math.inf if sent_at is None else sent_at)
             self._blind_inflight[replica] = self._blind_inflight.get(replica, 0) + 1
             self._unseen_steps(replica)
         self._order.setdefault(replica, deque()).append(
@@ -226,7 +232,8 @@ class LoadTracker:
         if self._blind_inflight.get(replica) and not self._decoding.get(replica):
             self.steps.idle(replica)
 
-    def _expect_blind(self, replica: str, uncached_tokens: float, now: float) -> None:
+    def _expect_blind(self, replica: str, uncached_tokens: float, now: float,
+                      sent_at: float) -> None:
         """Queue a request sent at `now` whose first token this gateway will not see: its
         prefill is presumed done when the engine's count of first tokens says so
         (`engine_first_tokens`), or, where the engine reports none, at an estimate: after what
@@ -250,7 +257,7 @@ class LoadTracker:
             end = now + (ahead + uncached_tokens) / rate
             if ends and end < ends[-1][0]:
                 end = ends[-1][0]  # an engine prefills in arrival order
-        ends.append((end, uncached_tokens))
+        ends.append((end, uncached_tokens, sent_at))
 
     def _blind_rate(self, replica: str) -> float | None:
         """Prefill tokens per second the replica computes, for `_expect_blind`: its own
@@ -267,9 +274,9 @@ class LoadTracker:
         while ends and ends[0][0] <= now:
             self._presume_oldest(replica, ends)
 
-    def _presume_oldest(self, replica: str, ends: deque[tuple[float, float]]) -> None:
+    def _presume_oldest(self, replica: str, ends: deque[tuple[float, float, float]]) -> None:
         """The oldest unseen request there is presumed prefilled: no longer queued."""
-        _, tokens = ends.popleft()
+        _, tokens, _ = ends.popleft()
         presumed = self._presumed.setdefault(replica, {})
         presumed[tokens] = presumed.get(tokens, 0) + 1
         self.first_token(replica, tokens)
@@ -297,6 +304,43 @@ class LoadTracker:
         for _ in range(min(unseen, len(ends))):
             self._presume_oldest(replica, ends)
 
+    def engine_prefills_waiting(self, replica: str, waiting: float | None, read_at: float,
+                                lag_s: float = 0.0) -> None:
+        """The replica's engine had `waiting` requests not yet past their first token as of
+        `lag_s` before it was read at `read_at` (on the clock of `dispatched`'s `sent_at`;
+        None: it does not say). For an engine that reports no count of first tokens
+        (TensorRT-LLM), this gateway's requests passed through there cannot be waiting in
+        greater number than that less its own streamed requests still awaiting a first
+        token: the oldest past that are presumed prefilled.
+
+        Their estimated ends (`_expect_blind`) chain on the queue ahead at the replica's rate
+        and err late under a standing queue; this bound catches what the estimate is late
+        for. Only requests sent ENGINE_READ_SLACK_S before the moment counted are weighed, on
+        both sides: one sent later may not have reached the engine's queue by then. Other
+        gateways' requests waiting there are not known here, so with several gateways the
+        bound is looser, never tighter."""
+        if waiting is None or replica in self._engine_firsts:
+            return
+        ends = self._blind.get(replica)
+        if not ends:
+            return
+        mark = read_at - lag_s - ENGINE_READ_SLACK_S
+        weighed = 0
+        for _, _, sent in ends:
+            if sent > mark:
+                break
+            weighed += 1
+        order = self._order.get(replica, ())
+        streamed = 0
+        for _, sent in order:
+            if sent > mark:
+                break
+            streamed += 1
+        # `order` holds every request awaiting a first token, those passed through included.
+        streamed = max(0, streamed - weighed)
+        for _ in range(weighed - max(0, int(waiting) - streamed)):
+            self._presume_oldest(replica, ends)
+
     def _unexpect_blind(self, replica: str, uncached_tokens: float) -> bool:
         """An unseen request of `uncached_tokens` ended: True if it was already presumed
         prefilled (nothing left to take off the queue); its estimate goes if not."""
@@ -305,7 +349,7 @@ class LoadTracker:
             return True
         ends = self._blind.get(replica)
         if ends:
-            for i, (_, tokens) in enumerate(ends):
+            for i, (_, tokens, _) in enumerate(ends):
                 if tokens == uncached_tokens:
                     del ends[i]
                     break

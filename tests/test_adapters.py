@@ -144,6 +144,24 @@ def test_trtllm_iteration_stats_newest_entry_wins() -> None:
     assert (idle.running, idle.waiting, idle.prefix_hit_tokens) == (0.0, 0.0, None)
 
 
+def test_trtllm_iteration_stats_say_how_many_requests_await_a_first_token() -> None:
+    # Counted as the newest iteration began: 12 active, of them 7 generating and 1 paused
+    # (preempted while generating); 3 more queued as it ended. The 4 others were prefilling
+    # or waiting to be.
+    newest = {"iter": 8, "iterLatencyMS": 250.0, "numActiveRequests": 12,
+              "numQueuedRequests": 3, "inflightBatchingStats": {
+                  "numContextRequests": 2, "numGenRequests": 7, "numPausedRequests": 1,
+                  "numCtxTokens": 4096}}
+    snap = parse_iteration_stats([{"iter": 7, "numActiveRequests": 1}, newest])
+    assert snap.prefills_waiting == 7.0
+    assert snap.prefills_waiting_lag_s == 0.25  # as of the newest step's end
+    # A release without the batching figures says nothing; nor does an empty read, which
+    # another reader of the same engine may have drained.
+    assert parse_iteration_stats([{"iter": 9, "numActiveRequests": 2,
+                                   "numQueuedRequests": 0}]).prefills_waiting is None
+    assert parse_iteration_stats([]).prefills_waiting is None
+
+
 def test_trtllm_iteration_stats_time_the_steps_that_computed_prompt_tokens() -> None:
     def it(latency_ms: float, ctx: int, requests: int) -> dict:
         return {"iterLatencyMS": latency_ms, "inflightBatchingStats": {

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from backends.sim.fleet_spec import fleet_profiles
 from gateway import processes
@@ -85,6 +86,45 @@ def test_without_the_engines_count_a_passed_through_prefill_ends_at_an_estimate(
     assert load.pending_prefill["r0"] == 1000.0  # presumed done already: not taken twice
 
 
+def test_an_engine_waiting_count_ends_the_oldest_prefills_it_cannot_hold() -> None:
+    # No count of first tokens (TensorRT-LLM) and no rate: only the engine's count of
+    # requests awaiting their first token says when passed-through prefills ended.
+    load = LoadTracker()
+    for k in range(3):
+        load.dispatched("r0", 1000.0 * (k + 1), sent_at=float(k), blind_at=float(k))
+    load.dispatched("r0", 50.0, sent_at=3.0)  # streamed, awaiting its first token
+    load.dispatched("r0", 70.0, sent_at=9.98, blind_at=9.98)  # sent as the engine counted
+    # Two wait there: the streamed one and at most one of the three passed through before it
+    # (the newest, as an engine prefills in arrival order). The one sent within the slack
+    # before the count is not weighed.
+    load.engine_prefills_waiting("r0", 2, read_at=10.0)
+    assert load.pending_prefill["r0"] == 3000.0 + 50.0 + 70.0
+    assert load.inflight["r0"] == 5  # still decoding: off the queue, not finished
+    # One waits. As of the newest engine step's end, 3 s before the read, the streamed
+    # request sent at 3 s may not have been there: the one may be the passed-through one.
+    load.engine_prefills_waiting("r0", 1, read_at=6.0, lag_s=3.0)
+    assert load.pending_prefill["r0"] == 3000.0 + 50.0 + 70.0
+    # As of the read itself, the one waiting is the streamed one.
+    load.engine_prefills_waiting("r0", 1, read_at=6.0)
+    assert load.pending_prefill["r0"] == 50.0 + 70.0
+    load.first_token("r0", 50.0, now=11.0, dispatched_at=3.0)
+    load.engine_prefills_waiting("r0", 0, read_at=12.0)
+    assert load.pending_prefill["r0"] == 0.0
+    for tokens in (1000.0, 2000.0, 3000.0, 70.0):  # all presumed already: nothing taken twice
+        load.finished("r0", tokens, saw_first_token=False)
+    assert load.pending_prefill["r0"] == 0.0
+
+
+def test_an_engine_waiting_count_is_not_read_where_the_first_tokens_are_counted() -> None:
+    load = LoadTracker()
+    load.engine_first_tokens("r0", 0)
+    load.dispatched("r0", 1000.0, sent_at=0.0, blind_at=0.0)
+    load.engine_prefills_waiting("r0", 0, read_at=10.0)  # counts rule where there are some
+    assert load.pending_prefill["r0"] == 1000.0
+    load.engine_prefills_waiting("r0", None, read_at=10.0)
+    assert load.pending_prefill["r0"] == 1000.0
+
+
 def test_without_any_rate_a_passed_through_prefill_is_queued_until_its_answer() -> None:
     load = LoadTracker()
     load.dispatched("r0", 2000.0, blind_at=0.0)
@@ -132,15 +172,25 @@ def test_half_passed_through_near_saturation_routes_as_well_as_all_streamed() ->
     half = simulate(workload, "prefix_affinity", fleet=fleet, stream_share=0.5)
     assert half["hit_ratio"] > streamed["hit_ratio"] - 0.05
     assert half["ttft_mean_s"] < 1.5 * streamed["ttft_mean_s"]
+    # Engines that count no first tokens but say how many requests await theirs
+    # (TensorRT-LLM). With the estimate alone, which errs late under a standing queue: 12.8 s
+    # and hit ratio 0.59.
+    waiting = simulate(workload, "prefix_affinity", fleet=fleet, stream_share=0.5,
+                       first_tokens="waiting")
+    assert waiting["hit_ratio"] > streamed["hit_ratio"] - 0.05
+    assert waiting["ttft_mean_s"] < 1.5 * streamed["ttft_mean_s"]
 
 
-def test_over_http_a_passed_through_prefill_leaves_the_queue_before_its_answer(tmp_path) -> None:
-    # One simulated vLLM replica in real time, a non-streaming request passed through whole
-    # with a long answer: its prefill ends within a step or two, its answer seconds later.
-    sims = start_sims(["vllm"], tmp_path, time_scale=1.0, profile="llama-8b-h200")
+@pytest.mark.parametrize("kind", ["vllm", "trtllm"])
+def test_over_http_a_passed_through_prefill_leaves_the_queue_before_its_answer(
+        kind: str, tmp_path) -> None:
+    # One simulated replica in real time, a non-streaming request passed through whole with
+    # a long answer: its prefill ends within a step or two, its answer seconds later. vLLM
+    # counts its first tokens; TensorRT-LLM's iteration stats say how many requests wait.
+    sims = start_sims([kind], tmp_path, time_scale=1.0, profile="llama-8b-h200")
     try:
         gw = start_gateway(one_pool_config(sims.urls, processes.free_ports(1)[0],
-                                           models=("tiny",),
+                                           engine=kind, models=("tiny",),
                                            health={"metrics_interval_s": 0.2}), tmp_path)
         try:
             client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
@@ -149,7 +199,7 @@ def test_over_http_a_passed_through_prefill_leaves_the_queue_before_its_answer(t
                 return httpx.get(gw.url + "/admin/stats").json()["pools"][0]["replicas"][0]
 
             # The engine's count of first tokens is read once before the request is sent.
-            assert poll(lambda: replica()["engine_kv_usage"] is not None)
+            assert poll(lambda: replica()["engine_waiting"] is not None)
             with ThreadPoolExecutor(1) as pool:
                 answer = pool.submit(client.completions.create, model="tiny",
                                      prompt="words nobody cached before " * 200,

@@ -36,6 +36,15 @@ class EngineSnapshot:
     first_tokens: float | None = None
     """Cumulative first tokens the engine has produced (counted as each prefill ends, not
     when the request finishes): ends the prefills of requests the gateway passed through."""
+    prefills_waiting: float | None = None
+    """Requests the engine holds that have not yet produced their first token, queued or
+    prefilling (at most: those finishing their prefill in the step read count too). Read
+    where an engine reports no `first_tokens`, to bound the gateway's estimate of when the
+    prefills of requests it passed through end."""
+    prefills_waiting_lag_s: float | None = None
+    """How long before the read `prefills_waiting` may be as of: an engine that counts as a
+    step ends reports the newest step that ended, and the one in flight since may have run
+    about as long."""
     source: str = ""
     """Which surface or metric-name generation the values came from."""
 

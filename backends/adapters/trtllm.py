@@ -56,6 +56,9 @@ def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
     return EngineSnapshot(
         running=running,
         waiting=waiting,
+        prefills_waiting=_prefills_waiting(it, ifb),
+        prefills_waiting_lag_s=latency / 1000.0 if (latency := _num(it, "iterLatencyMS"))
+        is not None else None,
         kv_usage=(used / max_blocks) if used is not None and max_blocks else None,
         prefix_hit_tokens=hits,
         prefix_query_tokens=queries,
@@ -63,6 +66,20 @@ def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
         num_blocks=int(max_blocks) if max_blocks else None,
         source="trtllm:iteration-stats",
     )
+
+
+def _prefills_waiting(it: dict, ifb: dict) -> float | None:
+    """Requests not yet past their first token after an iteration: those queued at its end,
+    and those active at its start that were not generating (scheduled for context, waiting
+    to be, or not yet admitted): `numQueuedRequests + numActiveRequests - numGenRequests -
+    numPausedRequests`. The executor counts its active requests as the iteration begins, so
+    the context requests that finish their prefill in it are counted too: an upper bound,
+    which is all `LoadTracker.engine_prefills_waiting` asks."""
+    queued, active = _num(it, "numQueuedRequests"), _num(it, "numActiveRequests")
+    gen = _num(ifb, "numGenRequests")
+    if queued is None or active is None or gen is None:
+        return None
+    return max(0.0, queued + active - gen - (_num(ifb, "numPausedRequests") or 0.0))
 
 
 def iteration_prefill(payload: object) -> tuple[float, float, float] | None:
@@ -189,7 +206,8 @@ class TrtllmAdapter(EngineAdapter):
             return snap_json
         if snap_json is not None:
             # Prometheus has the counters; iteration stats have the freshest queue state.
-            for field in ("running", "waiting", "kv_usage", "block_size", "num_blocks"):
+            for field in ("running", "waiting", "kv_usage", "block_size", "num_blocks",
+                          "prefills_waiting", "prefills_waiting_lag_s"):
                 if getattr(snap_prom, field) is None:
                     setattr(snap_prom, field, getattr(snap_json, field))
         return snap_prom

@@ -59,6 +59,9 @@ class _Step:
     n_decode: int
     chunks: list[tuple[_Req, int]]
     n_new: int
+    n_active: int
+    """Requests running as the step began, those it admitted included: TensorRT-LLM counts
+    its active requests then (`numActiveRequests`)."""
 
 
 class EngineModel:
@@ -249,6 +252,7 @@ class EngineModel:
             prefill_time_sum=c.prefill_time.sum,
             prefill_time_count=c.prefill_time.count,
             pending_prefill_tokens=self._pending_prefill,
+            prefills_waiting=len(self._waiting) + len(self._prefilling),
             capacity_blocks=cache.capacity_blocks,
             used_blocks=cache.used_blocks,
             free_blocks=cache.capacity_blocks - cache.used_blocks,
@@ -300,7 +304,8 @@ class EngineModel:
             if waiting and not self._kv_blocked and waiting[0].arrival > t:
                 self._start_step(waiting[0].arrival)
             return
-        self._step = _Step(t, t + cost * self.time_scale, n_decode, chunks, n_new)
+        self._step = _Step(t, t + cost * self.time_scale, n_decode, chunks, n_new,
+                           self.num_running)
 
     def _admit(self, req: _Req, t: float) -> bool:
         cache, bt = self.cache, self.block_tokens
@@ -408,7 +413,7 @@ class EngineModel:
                     iter=self._iter,
                     start=step.start,
                     end=t,
-                    num_active=self.num_running,
+                    num_active=step.n_active,
                     num_queued=len(self._waiting),
                     num_new_active=step.n_new,
                     num_completed=completed,

@@ -112,6 +112,7 @@ class EngineStats:
     prefill_time_sum: float  # scheduled to first token, as vLLM's request_prefill_time
     prefill_time_count: int
     pending_prefill_tokens: int
+    prefills_waiting: int  # requests queued or prefilling: not yet past their first token
     capacity_blocks: int
     used_blocks: int
     free_blocks: int
