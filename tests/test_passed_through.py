@@ -115,6 +115,21 @@ def test_an_engine_waiting_count_ends_the_oldest_prefills_it_cannot_hold() -> No
     assert load.pending_prefill["r0"] == 0.0
 
 
+def test_gateways_sharing_a_replica_each_take_their_share_of_what_its_waiting_count_leaves(
+        ) -> None:
+    a, b = LoadTracker(), LoadTracker()
+    for gateway in (a, b):
+        gateway.dispatched("r0", 1000.0, sent_at=0.0, blind_at=0.0)
+        gateway.dispatched("r0", 1000.0, sent_at=0.0, blind_at=0.0)
+    a.set_remote(sum_loads([b.own_load()]))
+    b.set_remote(sum_loads([a.own_load()]))
+    # Two of the four passed through still wait: each gateway reads the same count, and
+    # takes one of its own off the queue (counting only its own, it would take none).
+    for gateway in (a, b):
+        gateway.engine_prefills_waiting("r0", 2, read_at=10.0)
+        assert gateway.pending_prefill["r0"] == 1000.0
+
+
 def test_an_engine_waiting_count_is_not_read_where_the_first_tokens_are_counted() -> None:
     load = LoadTracker()
     load.engine_first_tokens("r0", 0)
