@@ -37,8 +37,8 @@ def run_one(router: str, fleet: Fleet, replica_urls: list[str],
             prefill_rates: Sequence[float] | None = None) -> dict[str, Any]:
     """Start `router` in front of the replicas, replay, stop it; the replay's result (with
     each replica's prefill rate, its prefill imbalance by time too)."""
-    wait_idle(replica_urls)
-    reset_prefix_caches(replica_urls)
+    wait_idle(replica_urls, engine=opts.engine)
+    reset_prefix_caches(replica_urls, engine=opts.engine)
     opts.label = router
     if router == SGLANG:
         from loadtests.baselines.sglang_router import free_port, start_sglang_router
@@ -53,7 +53,7 @@ def run_one(router: str, fleet: Fleet, replica_urls: list[str],
     else:
         policy, *pairs = router.split("/")
         routing = dict(key_value(p) for p in pairs)
-        url, proc = rp.start_gateway(fleet, replica_urls, policy, routing,
+        url, proc = rp.start_gateway(fleet, replica_urls, policy, routing, engine=opts.engine,
                                      name=f"gateway-{len(fleet.procs)}-{policy}")
         try:
             data = run_async(rp.replay(url, replica_urls, requests, opts))
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{len(requests)} requests of {source}; logs in {fleet.log_dir}")
             for router in routers:
                 opts = rp.ReplayOptions(max_output=args.max_output, timeout_s=args.timeout,
-                                        stream_share=args.stream_share)
+                                        stream_share=args.stream_share, engine=args.engine)
                 t = time.monotonic()
                 try:
                     res = run_one(router, fleet, urls, requests, opts, rates)

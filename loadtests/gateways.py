@@ -39,9 +39,9 @@ def run_one(fleet: Fleet, replica_urls: list[str], requests: Sequence[TraceReque
             shadow: bool = False) -> dict[str, Any]:
     """`count` gateways (with this `redis` section, or none) in front of idle, emptied
     replicas; the replay's result (with `shadow`, its shadow single gateway's figures)."""
-    wait_idle(replica_urls)
-    reset_prefix_caches(replica_urls)
-    cfg = rp.gateway_config(replica_urls, policy, routing, redis)
+    wait_idle(replica_urls, engine=opts.engine)
+    reset_prefix_caches(replica_urls, engine=opts.engine)
+    cfg = rp.gateway_config(replica_urls, policy, routing, redis, engine=opts.engine)
     shade = replay_shadow(cfg, requests) if shadow else None
     started = rp.start_gateways(fleet, cfg, count,
                                 name=f"gateway-{count}{'-redis' if redis else ''}")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     redis = (rp.redis_section(redis_url, dict(args.redis_set))
                              if with_redis and redis_url else None)
                     opts = rp.ReplayOptions(args.max_output, args.concurrency_limit,
-                                            args.timeout, label=policy)
+                                            args.timeout, label=policy, engine=args.engine)
                     t = time.monotonic()
                     res = run_one(fleet, urls, requests, count, redis, args.policy,
                                   dict(args.settings), opts, args.shadow)

@@ -20,6 +20,19 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 ENGINE_QUEUE = "vllm:request_queue_time_seconds"
 GATEWAY_TTFT = "gateway_time_to_first_token_seconds"
+TRTLLM_NAMES = {
+    HITS: "trtllm_prompt_cache_hit_tokens_total",
+    QUERIES: "trtllm_prompt_tokens_total",
+    SUCCESS: "trtllm_request_success_total",
+    RUNNING: "trtllm_num_requests_running",
+    WAITING: "trtllm_num_requests_waiting",
+    ENGINE_TTFT + "_sum": "trtllm_time_to_first_token_seconds_sum",
+    ENGINE_TTFT + "_count": "trtllm_time_to_first_token_seconds_count",
+}
+"""vLLM's names -> trtllm-serve's, on the Prometheus page it mounts with return_perf_metrics
+(`/prometheus/metrics`; its `/metrics` is JSON iteration stats, drained by each read, which
+only the gateway should read). Its TTFT histogram records a request when it finishes."""
+ENGINE_METRICS_PATHS = {"vllm": "/metrics", "trtllm": "/prometheus/metrics"}
 
 
 def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -59,40 +72,57 @@ def labelled_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str],
-                 timeout_s: float = 10.0) -> dict[str, float]:
-    """The named sums of one base URL's /metrics; raises on a failed read."""
-    async with session.get(url.rstrip("/") + "/metrics",
+                 timeout_s: float = 10.0, engine: str = "vllm") -> dict[str, float]:
+    """The named sums of one base URL's metrics page; raises on a failed read. `engine`:
+    "vllm" (its /metrics, the names as given), or "trtllm" (its /prometheus/metrics, each of
+    vLLM's names read as TRTLLM_NAMES says, and returned under vLLM's)."""
+    path = ENGINE_METRICS_PATHS.get(engine, "/metrics")
+    theirs = {n: TRTLLM_NAMES.get(n, n) for n in names} if engine == "trtllm" else None
+    async with session.get(url.rstrip("/") + path,
                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         r.raise_for_status()
-        return parse_sums(await r.text(), names)
+        text = await r.text()
+    if theirs is None:
+        return parse_sums(text, names)
+    sums = parse_sums(text, list(theirs.values()))
+    return {n: sums[t] for n, t in theirs.items()}
 
 
 async def scrape_all(session: aiohttp.ClientSession, urls: Sequence[str], names: Sequence[str],
-                     timeout_s: float = 5.0) -> list[dict[str, float] | None]:
+                     timeout_s: float = 5.0, engine: str = "vllm",
+                     ) -> list[dict[str, float] | None]:
     """`scrape` of every URL at once; None for each one that could not be read."""
     async def one(url: str) -> dict[str, float] | None:
         try:
-            return await scrape(session, url, names, timeout_s)
+            return await scrape(session, url, names, timeout_s, engine)
         except (TimeoutError, aiohttp.ClientError):
             return None
 
     return list(await asyncio.gather(*(one(u) for u in urls)))
 
 
-def scrape_sync(url: str, names: Sequence[str], timeout_s: float = 5.0) -> dict[str, float]:
+def scrape_sync(url: str, names: Sequence[str], timeout_s: float = 5.0,
+                engine: str = "vllm") -> dict[str, float]:
     """`scrape` without an event loop (urllib)."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-        return parse_sums(r.read().decode(), names)
+    path = ENGINE_METRICS_PATHS.get(engine, "/metrics")
+    with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout_s) as r:
+        text = r.read().decode()
+    if engine != "trtllm":
+        return parse_sums(text, names)
+    theirs = {n: TRTLLM_NAMES.get(n, n) for n in names}
+    sums = parse_sums(text, list(theirs.values()))
+    return {n: sums[t] for n, t in theirs.items()}
 
 
-def wait_idle(urls: Sequence[str], deadline_s: float = 300.0, poll_s: float = 0.5) -> None:
+def wait_idle(urls: Sequence[str], deadline_s: float = 300.0, poll_s: float = 0.5,
+              engine: str = "vllm") -> None:
     """Return once no replica runs or queues a request (the previous run's tail is done);
     RuntimeError when the deadline passes first."""
     end = time.monotonic() + deadline_s
     while True:
         busy = 0.0
         for u in urls:
-            m = scrape_sync(u, (RUNNING, WAITING))
+            m = scrape_sync(u, (RUNNING, WAITING), engine=engine)
             busy += m[RUNNING] + m[WAITING]
         if busy == 0:
             return

@@ -119,6 +119,8 @@ class ReplayOptions:
     """The share of requests sent streaming, spread evenly; the others are sent
     non-streaming, as whole answers: their TTFT is not seen by the client (the report's
     `engine_ttft_mean_s`, from the engines' own histograms, counts every request)."""
+    engine: str = "vllm"
+    """The replicas' engine, whose metrics page the replay reads (`metrics.scrape`)."""
 
 
 def _routed(resp: aiohttp.ClientResponse, shadow: ReplayShadow | None, index: int
@@ -236,10 +238,10 @@ async def _send(session: aiohttp.ClientSession, url: str, req: TraceRequest, opt
 
 
 async def _sampler(session: aiohttp.ClientSession, urls: Sequence[str], stop: asyncio.Event,
-                   out: list[float]) -> None:
+                   out: list[float], engine: str = "vllm") -> None:
     """Every ~0.5 s: max over mean of the replicas' running + waiting (if the mean is >= 1)."""
     while not stop.is_set():
-        snap = await scrape_all(session, urls, _WANTED, timeout_s=2.0)
+        snap = await scrape_all(session, urls, _WANTED, timeout_s=2.0, engine=engine)
         loads = [m[RUNNING] + m[WAITING] for m in snap if m is not None]
         if loads and len(loads) == len(urls):
             mean = sum(loads) / len(loads)
@@ -300,10 +302,11 @@ async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
     data = RunData(gateways=len(endpoints), shadow=shadow)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
             aiohttp.ClientSession() as metrics_session:
-        data.before = await scrape_all(metrics_session, replica_urls, _WANTED)
+        data.before = await scrape_all(metrics_session, replica_urls, _WANTED,
+                                       engine=opts.engine)
         stop = asyncio.Event()
         sampler = asyncio.create_task(
-            _sampler(metrics_session, replica_urls, stop, data.inflight_ratios))
+            _sampler(metrics_session, replica_urls, stop, data.inflight_ratios, opts.engine))
         syncer = (asyncio.create_task(_sync_shadow(metrics_session, urls[0], shadow, stop))
                   if shadow is not None else None)
         sem = asyncio.Semaphore(opts.concurrency_limit) if opts.concurrency_limit else None
@@ -334,7 +337,8 @@ async def replay(url: str | Sequence[str], replica_urls: Sequence[str],
             await syncer
         # Engines update their counters when a request finishes; give them a moment.
         await asyncio.sleep(0.3)
-        data.after = await scrape_all(metrics_session, replica_urls, _WANTED)
+        data.after = await scrape_all(metrics_session, replica_urls, _WANTED,
+                                      engine=opts.engine)
     return data
 
 
@@ -448,7 +452,8 @@ def render_table(res: dict[str, Any]) -> str:
 
 def gateway_config(replica_urls: Sequence[str], policy: str | None,
                    routing: dict[str, Any] | None = None,
-                   redis: dict[str, Any] | None = None, workers: int = 1) -> dict[str, Any]:
+                   redis: dict[str, Any] | None = None, workers: int = 1,
+                   engine: str = "vllm") -> dict[str, Any]:
     """The configuration of replay's gateways: one pool of the replicas (the policy left out
     means the gateway's), with `redis` that `redis` section, with `workers` above one its
     server.workers; port 0 (each gateway gets its own)."""
@@ -456,7 +461,7 @@ def gateway_config(replica_urls: Sequence[str], policy: str | None,
     # Lenient health checks: with sims, gateway and client sharing a few cores, a starved
     # event loop can fail 2 s checks for every replica at once (a 32-replica run got 216
     # 503s); this measures routing, not failure detection.
-    cfg = one_pool_config(list(replica_urls), 0, pool="replay", models=(MODEL,),
+    cfg = one_pool_config(list(replica_urls), 0, pool="replay", engine=engine, models=(MODEL,),
                           replica_prefix="sim", routing=routing or None,
                           health={"timeout_s": 10.0, "failure_threshold": 3},
                           server={"workers": workers} if workers > 1 else None)
@@ -486,9 +491,10 @@ def start_gateways(fleet: Fleet, cfg: dict[str, Any], count: int = 1,
 
 def start_gateway(fleet: Fleet, replica_urls: Sequence[str], policy: str | None,
                   routing: dict[str, Any] | None = None, name: str = "gateway",
-                  ) -> tuple[str, subprocess.Popen]:
+                  engine: str = "vllm") -> tuple[str, subprocess.Popen]:
     """One gateway with one pool of the replicas; the policy left out means the gateway's."""
-    return start_gateways(fleet, gateway_config(replica_urls, policy, routing), name=name)[0]
+    return start_gateways(fleet, gateway_config(replica_urls, policy, routing, engine=engine),
+                          name=name)[0]
 
 
 def cpu_seconds(procs: Sequence[subprocess.Popen]) -> float | None:
@@ -506,6 +512,8 @@ def sim_conditions(args: argparse.Namespace) -> dict[str, Any]:
            "profile": args.profile, "time_scale": args.time_scale}
     if getattr(args, "fleet", None) or getattr(args, "slow", None):
         out["fleet"] = describe(sim_fleet(args))
+    if getattr(args, "engine", "vllm") != "vllm":
+        out["engine"] = args.engine
     return out
 
 
@@ -516,7 +524,8 @@ def start_sim_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[str], 
     args.replicas = len(sims)
     urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
                             args.time_scale, fleet=getattr(args, "fleet", None),
-                            slow=getattr(args, "slow", None))
+                            slow=getattr(args, "slow", None),
+                            engine=getattr(args, "engine", "vllm"))
     return urls, sims
 
 
@@ -536,6 +545,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated replicas (default 8, or the --fleet's count)")
     p.add_argument("--fleet", default=None, help=FLEET_HELP)
     p.add_argument("--slow", default=None, help=SLOW_HELP)
+    p.add_argument("--engine", choices=("vllm", "trtllm"), default="vllm",
+                   help="the simulated replicas' engine: vLLM, or trtllm-serve (JSON iteration "
+                        "stats, and its Prometheus page as with return_perf_metrics)")
 
 
 def default_policy() -> str:
@@ -640,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                 replica_urls, sims = start_sim_fleet(fleet, args)
                 rates = [r.build().prefill_tokens_per_s for r in sims]
                 cfg = gateway_config(replica_urls, args.policy, dict(args.settings), redis,
-                                     args.gateway_workers)
+                                     args.gateway_workers, engine=args.engine)
                 started = start_gateways(fleet, cfg, args.gateways)
                 urls = [u for u, _ in started]
                 gateways = [proc for _, proc in started]
@@ -657,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
             span = requests[-1].timestamp_s
             log(f"replaying {len(requests)} requests over {span:.1f} s to {', '.join(urls)}")
             opts = ReplayOptions(args.max_output, args.concurrency_limit, args.timeout,
-                                 args.model, policy, args.stream_share)
+                                 args.model, policy, args.stream_share, engine=args.engine)
             cpu_before = cpu_seconds(gateways) if gateways else None
             data = run_async(replay(urls, replica_urls, requests, opts, shadow))
             cpu_after = cpu_seconds(gateways) if gateways else None

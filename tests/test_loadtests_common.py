@@ -7,14 +7,25 @@ import math
 import shutil
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from loadtests.caches import reset_prefix_caches
-from loadtests.fleet import Fleet
-from loadtests.metrics import HITS, QUERIES, WAITING, labelled_values, parse_sums
+from loadtests.fleet import MODEL, Fleet
+from loadtests.metrics import (
+    ENGINE_TTFT,
+    HITS,
+    QUERIES,
+    SUCCESS,
+    WAITING,
+    labelled_values,
+    parse_sums,
+    scrape_sync,
+    wait_idle,
+)
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
 from loadtests.stats import bucket_bound, max_over_mean, median, nearest_rank, percentile
@@ -176,3 +187,34 @@ def test_fleet_redis_answers_and_stops_with_the_fleet() -> None:
     finally:
         fleet.stop()
     assert proc.poll() is not None
+
+
+def test_a_simulated_trtllm_fleet_is_read_and_emptied_as_a_vllm_one() -> None:
+    # Benchmarks read trtllm-serve's Prometheus page under vLLM's names (its /metrics is the
+    # gateway's to drain), and empty the simulated engine's cache through its control path.
+    fleet = Fleet()
+    try:
+        (url,) = fleet.start_sims(1, 512_000, "llama-8b-h200", time_scale=0.02,
+                                  engine="trtllm")
+        body = json.dumps({"model": MODEL, "prompt": "the same words again " * 100,
+                           "max_tokens": 2}).encode()
+
+        def ask() -> None:
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status == 200
+
+        names = (HITS, QUERIES, SUCCESS, ENGINE_TTFT + "_count")
+        ask()
+        ask()
+        warm = scrape_sync(url, names, engine="trtllm")
+        assert warm[SUCCESS] == 2 and warm[ENGINE_TTFT + "_count"] == 2
+        assert 0 < warm[HITS] < warm[QUERIES]  # the second prompt found the first's blocks
+        reset_prefix_caches([url], engine="trtllm")
+        ask()
+        cold = scrape_sync(url, names, engine="trtllm")
+        assert cold[QUERIES] > warm[QUERIES] and cold[HITS] == warm[HITS]
+        wait_idle([url], engine="trtllm", deadline_s=30)
+    finally:
+        fleet.stop()

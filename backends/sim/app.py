@@ -196,6 +196,9 @@ def _routes(spec: SimReplicaSpec) -> dict[str, dict[str, Handler]]:
         ("/sim/recover", control.recover),
         ("/sim/drop_reused", control.drop_reused),
         ("/sim/garbage", control.garbage),
+        # Whatever the kind (trtllm-serve has no such endpoint): benchmarks start each
+        # router on cold caches.
+        ("/sim/reset_prefix_cache", SimApp.reset_prefix_cache),
     ]
     if spec.kind == "vllm":
         get.append(("/metrics", SimApp.prometheus))
