@@ -69,6 +69,8 @@ class HealthMonitor:
         for pool in self.pools:
             self._tasks.append(asyncio.create_task(self._probe_loop(pool)))
             self._tasks.append(asyncio.create_task(self._scrape_loop(pool)))
+            if pool.health.passed_through_interval_s > 0:
+                self._tasks.append(asyncio.create_task(self._passed_through_loop(pool)))
             if pool.spec.ejection.stall_s > 0:
                 self._tasks.append(asyncio.create_task(self._stall_loop(pool)))
 
@@ -93,6 +95,32 @@ class HealthMonitor:
             # The gateway's own step timing needs no engine metrics, so it is reported even
             # for replicas whose /metrics cannot be read.
             self.listener.step_timing(pool)
+
+    async def _passed_through_loop(self, pool: Pool) -> None:
+        while True:
+            await asyncio.sleep(pool.health.passed_through_interval_s)
+            await asyncio.gather(*(self.read_first_tokens(pool, r)
+                                   for r in list(pool.replicas.values())
+                                   if not r.draining and pool.load.awaits_unseen(r.name)))
+
+    async def read_first_tokens(self, pool: Pool, r: ReplicaState) -> None:
+        """Between scrapes, while requests passed through whole there may still wait for
+        their prefill: read the engine's metrics for the counts that end them, and only those.
+
+        Read every `metrics_interval_s` (5 s), the count left those requests queued for
+        2.5 s on average after their prefill; read every second, on the slow fleet near
+        saturation with half the requests passed through, the mean TTFT went from 4.2 s to
+        3.6 s (3.7 s with every request streamed). The other figures of the read are left to
+        the scrape: the engine's prefill rate, for one, is worked out between two reads, and
+        over a second its histogram's sums reach back past the interval."""
+        async with r.scraping:
+            read_at = time.time()
+            snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
+            if snap is None or r.draining or pool.replicas.get(r.name) is not r:
+                return
+            pool.load.engine_first_tokens(r.name, snap.first_tokens)
+            pool.load.engine_prefills_waiting(r.name, snap.prefills_waiting, read_at,
+                                              snap.prefills_waiting_lag_s or 0.0)
 
     async def _stall_loop(self, pool: Pool) -> None:
         # Checked several times per stall_s, so a stall is seen soon after it lasted stall_s.
@@ -236,6 +264,10 @@ class HealthMonitor:
             log.warning("replica %s/%s (%s) is down: %s", pool.name, r.name, r.base_url, why)
 
     async def scrape(self, pool: Pool, r: ReplicaState) -> None:
+        async with r.scraping:
+            await self._scrape(pool, r)
+
+    async def _scrape(self, pool: Pool, r: ReplicaState) -> None:
         read_at = time.time()  # the clock requests are stamped with as they are sent
         snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
         if snap is None or r.draining or pool.replicas.get(r.name) is not r:

@@ -30,6 +30,9 @@ class HealthTiming:
     timeout_s: float = 2.0
     failure_threshold: int = 2
     metrics_interval_s: float = 5.0
+    passed_through_interval_s: float = 1.0
+    """Between scrapes, how often the engine's counts that end passed-through prefills are
+    read where some may wait (0: not between scrapes)."""
     hit_ratio_window_s: float = 60.0
 
 
@@ -124,6 +127,9 @@ class ReplicaState:
         """Tries in flight there that have sent nothing to their client yet (each with an
         `interrupt(why)`): what a stall fails over."""
         self.snapshot: EngineSnapshot | None = None
+        self.scraping = asyncio.Lock()
+        """Held while the engine's metrics are read and applied: two reads of its counters
+        must be applied in the order they were made (`LoadTracker.engine_first_tokens`)."""
         self._hit_samples: deque[tuple[float, float, float]] = deque()
         self.engine_hit_ratio: float | None = None
 

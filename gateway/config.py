@@ -159,7 +159,19 @@ class HealthSettings(_Strict):
     timeout_s: float = Field(2.0, gt=0, le=3600)
     failure_threshold: int = Field(2, ge=1)
     metrics_interval_s: float = Field(5.0, ge=MIN_INTERVAL_S, le=3600)
+    passed_through_interval_s: float = Field(
+        1.0, ge=0, le=3600, description="while requests passed through whole may still wait "
+        "for their prefill on a replica, its engine's metrics are also read this often, for "
+        "the counts that end those prefills in the gateway's queue (0: only every "
+        "metrics_interval_s)")
     hit_ratio_window_s: float = Field(60.0, gt=0)
+
+    @field_validator("passed_through_interval_s")
+    @classmethod
+    def _not_too_often(cls, v: float) -> float:
+        if 0 < v < MIN_INTERVAL_S:
+            raise ValueError(f"must be 0 (off) or at least {MIN_INTERVAL_S}")
+        return v
 
 
 

@@ -88,6 +88,8 @@ SAMPLE_INTERVAL_S = 0.5
 # The gateway scrapes every replica's /metrics this often by default: policies see the
 # engine's own queue and KV usage as of the last scrape, not as they are now.
 DEFAULT_METRICS_INTERVAL_S: float = HealthSettings.model_fields["metrics_interval_s"].default
+DEFAULT_PASSED_THROUGH_INTERVAL_S: float = (
+    HealthSettings.model_fields["passed_through_interval_s"].default)
 
 REPORT_KEYS = (
     "requests", "errors", "duration_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
@@ -293,6 +295,7 @@ def run_pool(
     shadow: bool | None = None,
     stream_share: float = 1.0,
     first_tokens: str = "count",
+    passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -320,7 +323,9 @@ def run_pool(
 
     `first_tokens`: what the engines' scrapes say of the prefills of those requests. "count":
     the first tokens made so far, as vLLM reports them; "waiting": how many requests wait
-    for their first token, as TensorRT-LLM's iteration stats tell; "none": nothing."""
+    for their first token, as TensorRT-LLM's iteration stats tell; "none": nothing. Every
+    `passed_through_interval_s` too (None or 0: never), those alone are read of each engine
+    where a gateway has such requests presumably waiting (`health.passed_through_interval_s`)."""
     if first_tokens not in FIRST_TOKEN_SIGNALS:
         raise ValueError(f"first_tokens: one of {FIRST_TOKEN_SIGNALS}")
     settings = settings or RoutingSettings()
@@ -410,8 +415,27 @@ def run_pool(
                 elif first_tokens == "waiting":
                     router.load.engine_prefills_waiting(names[k], stats.prefills_waiting, at)
 
-    scrape_until = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
+    def read_first_tokens(at: float) -> None:
+        for k, e in enumerate(engine_list):
+            stats = None
+            for router in every_router:
+                if not router.load.awaits_unseen(names[k]):
+                    continue
+                stats = stats or e.stats()
+                if first_tokens == "count":
+                    router.load.engine_first_tokens(names[k], stats.ttft_count)
+                elif first_tokens == "waiting":
+                    router.load.engine_prefills_waiting(names[k], stats.prefills_waiting, at)
+
+    every_scrape = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
                     if metrics_interval_s else lambda t: None)
+    every_read = (_every(passed_through_interval_s, start + passed_through_interval_s,
+                         read_first_tokens)
+                  if passed_through_interval_s and stream_share < 1.0 else lambda t: None)
+
+    def scrape_until(t: float) -> None:
+        every_read(t)
+        every_scrape(t)
 
     def scraped_views(router: Router, now: float) -> list[ReplicaView]:
         # As Pool._views gives each view the engine's last scrape.
@@ -553,6 +577,7 @@ def simulate(
     sharing: Sharing | None = None,
     stream_share: float = 1.0,
     first_tokens: str = "count",
+    passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
@@ -560,8 +585,8 @@ def simulate(
     (run_pool), how they shared their state.
 
     `fleet` gives each replica its own profile and slowdown (its length is the replica count);
-    else there are `replicas` replicas of `profile`. `stream_share`, `first_tokens`: as
-    run_pool."""
+    else there are `replicas` replicas of `profile`. `stream_share`, `first_tokens`,
+    `passed_through_interval_s`: as run_pool."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     fleet = list(fleet) if fleet else [ReplicaProfile(profile)] * replicas
@@ -574,7 +599,8 @@ def simulate(
                    settings=settings, policy_params=policy_params,
                    policy_factory=policy_factory, metrics_interval_s=metrics_interval_s,
                    gateways=gateways, sharing=sharing, stream_share=stream_share,
-                   first_tokens=first_tokens)
+                   first_tokens=first_tokens,
+                   passed_through_interval_s=passed_through_interval_s)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -703,6 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="what the engines say of the prefills of requests passed through: "
                          "their count of first tokens (vLLM), how many requests wait for "
                          "theirs (TensorRT-LLM), or nothing")
+    ap.add_argument("--passed-through-interval-s", type=float,
+                    default=DEFAULT_PASSED_THROUGH_INTERVAL_S,
+                    help="how often, between scrapes, those counts alone are read where "
+                         "requests passed through may wait for their prefill (the gateway's "
+                         "health.passed_through_interval_s; 0: never)")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -737,7 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           settings=settings[name], fleet=fleet,
                           metrics_interval_s=args.metrics_interval_s or None,
                           gateways=args.gateways, sharing=sharing,
-                          stream_share=args.stream_share, first_tokens=args.first_tokens)
+                          stream_share=args.stream_share, first_tokens=args.first_tokens,
+                          passed_through_interval_s=args.passed_through_interval_s or None)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

@@ -281,6 +281,11 @@ class LoadTracker:
         presumed[tokens] = presumed.get(tokens, 0) + 1
         self.first_token(replica, tokens)
 
+    def awaits_unseen(self, replica: str) -> bool:
+        """Whether requests passed through whole may still wait for their prefill there: the
+        engine's counts would end them (`engine_first_tokens`, `engine_prefills_waiting`)."""
+        return bool(self._blind.get(replica))
+
     def engine_first_tokens(self, replica: str, count: float | None) -> None:
         """The replica's engine has produced `count` first tokens so far (from its metrics,
         None: it reports none). Those no gateway saw since the last reading ended the

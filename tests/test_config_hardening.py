@@ -108,6 +108,18 @@ def test_absurd_intervals_and_timeouts_are_refused(tmp_path: Path, old: str, new
     assert f"{where}: Input should be greater than" in refused(tmp_path, GOOD.replace(old, new))
 
 
+def test_reading_passed_through_counts_too_often_is_refused_and_zero_turns_it_off(
+        tmp_path: Path) -> None:
+    msg = refused(tmp_path, GOOD.replace("health: {interval_s: 2}",
+                                         "health: {passed_through_interval_s: 0.001}"))
+    assert "pools[0].health.passed_through_interval_s: Value error" in msg
+    assert "must be 0 (off) or at least 0.05" in msg
+    path = tmp_path / "off.yaml"
+    path.write_text(GOOD.replace("health: {interval_s: 2}",
+                                 "health: {passed_through_interval_s: 0}"))
+    assert load_config(path).pools[0].health.passed_through_interval_s == 0
+
+
 def test_serve_check_refuses_a_duplicate_key(tmp_path: Path, capsys) -> None:
     path = tmp_path / "gateway.yaml"
     path.write_text(GOOD + "pools: []\n")

@@ -202,11 +202,15 @@ def test_over_http_a_passed_through_prefill_leaves_the_queue_before_its_answer(
     # One simulated replica in real time, a non-streaming request passed through whole with
     # a long answer: its prefill ends within a step or two, its answer seconds later. vLLM
     # counts its first tokens; TensorRT-LLM's iteration stats say how many requests wait.
+    # The engine's metrics are scraped once a minute: the counts are read between scrapes,
+    # while such a request may wait (health.passed_through_interval_s).
     sims = start_sims([kind], tmp_path, time_scale=1.0, profile="llama-8b-h200")
     try:
         gw = start_gateway(one_pool_config(sims.urls, processes.free_ports(1)[0],
                                            engine=kind, models=("tiny",),
-                                           health={"metrics_interval_s": 0.2}), tmp_path)
+                                           health={"metrics_interval_s": 60,
+                                                   "passed_through_interval_s": 0.2}),
+                           tmp_path)
         try:
             client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
 
