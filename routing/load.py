@@ -282,9 +282,16 @@ class LoadTracker:
         self.first_token(replica, tokens)
 
     def awaits_unseen(self, replica: str) -> bool:
-        """Whether requests passed through whole may still wait for their prefill there: the
-        engine's counts would end them (`engine_first_tokens`, `engine_prefills_waiting`)."""
-        return bool(self._blind.get(replica))
+        """Whether requests passed through whole may still wait for their prefill there, and
+        this gateway alone sends there: the engine's counts read now would end them
+        (`engine_first_tokens`, `engine_prefills_waiting`), between its regular scrapes.
+
+        Not where other gateways send too: what they saw stream there reaches this one with
+        their shared load, late by its interval, and over a second of counts that lag took
+        their streamed first tokens for this gateway's unseen ones (three gateways on the
+        slow fleet near saturation with half the requests passed through: 6.0 s read every
+        second, 4.3 s at the scrapes alone)."""
+        return bool(self._blind.get(replica)) and not (self.remote and replica in self.remote)
 
     def engine_first_tokens(self, replica: str, count: float | None) -> None:
         """The replica's engine has produced `count` first tokens so far (from its metrics,
