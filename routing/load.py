@@ -43,7 +43,6 @@ class LoadTracker:
     """
 
     __slots__ = ("_blind", "_blind_inflight", "_decoding", "_drain", "_ends", "_engine_firsts",
-
                  "_first_tokens", "_order", "_presumed", "_unseen", "decode_step_wait", "engines",
                  "inflight", "pending_prefill", "remote", "steps")
 
