@@ -798,16 +798,28 @@ def test_with_nothing_streamed_a_slow_replica_is_known_from_its_engines_metrics(
     reqs = [TraceRequest(0.2 * i, 2048, 32, tuple(range(10 * i + 1, 10 * i + 5)), "")
             for i in range(600)]
     fleet = fleet_profiles(4, "qwen-32b-h200", slow="1:3")
-    runs = {on: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
-                         settings=RoutingSettings(engine_speed=on), stream_share=0.0)
-            for on in (True, False)}
-    shares = {}
-    for on, report in runs.items():
-        *fast, slow = report["prefill_tokens_per_replica"]
-        assert report["requests"] == 600
-        assert report["learned_prefill_tokens_per_s"] == [0, 0, 0, 0]  # nothing timed
-        shares[on] = slow / (sum(fast) / 3)
-    # Priced at its speed, it gets no more than its due (a third of a fast one's tokens);
-    # priced as equal, more (0.42).
+
+    def shares_and_runs(reads_s: float) -> tuple[dict[bool, float], dict[bool, dict]]:
+        runs = {on: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
+                             settings=RoutingSettings(engine_speed=on), stream_share=0.0,
+                             passed_through_interval_s=reads_s)
+                for on in (True, False)}
+        shares = {}
+        for on, report in runs.items():
+            *fast, slow = report["prefill_tokens_per_replica"]
+            assert report["requests"] == 600
+            assert report["learned_prefill_tokens_per_s"] == [0, 0, 0, 0]  # nothing timed
+            shares[on] = slow / (sum(fast) / 3)
+        return shares, runs
+
+    # With the engines' counts read at the scrapes alone: priced at its speed, it gets no
+    # more than its due (a third of a fast one's tokens); priced as equal, more (0.42).
+    shares, runs = shares_and_runs(0.0)
     assert shares[True] < 1 / 3 < shares[False]
+    assert runs[True]["ttft_mean_s"] < runs[False]["ttft_mean_s"]
+    # Read every second (the default), its passed-through requests leave its queue sooner
+    # and it looks free more often: it gets past its due (0.41, near the engine's speed for
+    # it, 0.44, which compresses the true 0.33), but far less than priced as equal (0.59).
+    shares, runs = shares_and_runs(1.0)
+    assert shares[True] < 0.5 < shares[False]
     assert runs[True]["ttft_mean_s"] < runs[False]["ttft_mean_s"]
