@@ -8,6 +8,7 @@ import time
 from typing import Protocol
 
 from backends.adapters import Probe
+from backends.adapters.base import EngineSnapshot
 from backends.pool import Pool, ReplicaState
 from backends.upstream import Upstream
 
@@ -118,9 +119,15 @@ class HealthMonitor:
             snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
             if snap is None or r.draining or pool.replicas.get(r.name) is not r:
                 return
-            pool.load.engine_first_tokens(r.name, snap.first_tokens)
-            pool.load.engine_prefills_waiting(r.name, snap.prefills_waiting, read_at,
-                                              snap.prefills_waiting_lag_s or 0.0)
+            self._tell_counts(pool, r, snap, read_at)
+
+    @staticmethod
+    def _tell_counts(pool: Pool, r: ReplicaState, snap: EngineSnapshot, read_at: float) -> None:
+        """The engine's counts that end passed-through prefills, read at `read_at` (the
+        clock requests are stamped with as they are sent)."""
+        pool.load.engine_first_tokens(r.name, snap.first_tokens)
+        pool.load.engine_prefills_waiting(r.name, snap.prefills_waiting, read_at,
+                                          snap.prefills_waiting_lag_s or 0.0)
 
     async def _stall_loop(self, pool: Pool) -> None:
         # Checked several times per stall_s, so a stall is seen soon after it lasted stall_s.
@@ -277,9 +284,7 @@ class HealthMonitor:
         r.observe_snapshot(snap, pool.health.hit_ratio_window_s, now)
         pool.load.engines.report(r.name, now, snap.computed_prompt_tokens, snap.prefill_seconds,
                                  snap.prefills)
-        pool.load.engine_first_tokens(r.name, snap.first_tokens)
-        pool.load.engine_prefills_waiting(r.name, snap.prefills_waiting, read_at,
-                                          snap.prefills_waiting_lag_s or 0.0)
+        self._tell_counts(pool, r, snap, read_at)
         if not had_capacity and snap.capacity_tokens:
             pool.apply_engine_capacity(r)
         self.listener.engine_state(pool.name, r)

@@ -51,6 +51,16 @@ def parse_sums(text: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def engine_sums(text: str, names: Sequence[str], engine: str = "vllm") -> dict[str, float]:
+    """`parse_sums` of an engine's metrics page for vLLM's `names`: on trtllm-serve's, each
+    read under its own name (TRTLLM_NAMES) and returned under vLLM's."""
+    if engine != "trtllm":
+        return parse_sums(text, names)
+    theirs = {n: TRTLLM_NAMES.get(n, n) for n in names}
+    sums = parse_sums(text, list(theirs.values()))
+    return {n: sums[t] for n, t in theirs.items()}
+
+
 def labelled_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     """Every series of the sample `name`: its labels and its value (label values with
     escaped quotes are not expected: the gateway's and engines' labels are names)."""
@@ -76,16 +86,10 @@ async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str],
     """The named sums of one base URL's metrics page; raises on a failed read. `engine`:
     "vllm" (its /metrics, the names as given), or "trtllm" (its /prometheus/metrics, each of
     vLLM's names read as TRTLLM_NAMES says, and returned under vLLM's)."""
-    path = ENGINE_METRICS_PATHS.get(engine, "/metrics")
-    theirs = {n: TRTLLM_NAMES.get(n, n) for n in names} if engine == "trtllm" else None
-    async with session.get(url.rstrip("/") + path,
+    async with session.get(url.rstrip("/") + ENGINE_METRICS_PATHS[engine],
                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         r.raise_for_status()
-        text = await r.text()
-    if theirs is None:
-        return parse_sums(text, names)
-    sums = parse_sums(text, list(theirs.values()))
-    return {n: sums[t] for n, t in theirs.items()}
+        return engine_sums(await r.text(), names, engine)
 
 
 async def scrape_all(session: aiohttp.ClientSession, urls: Sequence[str], names: Sequence[str],
@@ -104,14 +108,9 @@ async def scrape_all(session: aiohttp.ClientSession, urls: Sequence[str], names:
 def scrape_sync(url: str, names: Sequence[str], timeout_s: float = 5.0,
                 engine: str = "vllm") -> dict[str, float]:
     """`scrape` without an event loop (urllib)."""
-    path = ENGINE_METRICS_PATHS.get(engine, "/metrics")
-    with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout_s) as r:
-        text = r.read().decode()
-    if engine != "trtllm":
-        return parse_sums(text, names)
-    theirs = {n: TRTLLM_NAMES.get(n, n) for n in names}
-    sums = parse_sums(text, list(theirs.values()))
-    return {n: sums[t] for n, t in theirs.items()}
+    with urllib.request.urlopen(url.rstrip("/") + ENGINE_METRICS_PATHS[engine],
+                                timeout=timeout_s) as r:
+        return engine_sums(r.read().decode(), names, engine)
 
 
 def wait_idle(urls: Sequence[str], deadline_s: float = 300.0, poll_s: float = 0.5,

@@ -41,6 +41,7 @@ from backends.sim.fleet_spec import (
 )
 from backends.sim.profiles import PROFILES, LatencyProfile, fastest
 from backends.sim.prompt import estimate_tokens
+from backends.sim.stats import EngineStats
 from gateway.config import HealthSettings, RoutingSettings
 from loadtests.reference_policies import Oracle, SGLangCacheAware
 from loadtests.report import text_table
@@ -409,23 +410,22 @@ def run_pool(
                 router.load.engines.report(
                     names[k], at, stats.prompt_tokens - stats.prompt_cached_tokens,
                     stats.prefill_time_sum, stats.prefill_time_count)
-                # What it reads of the engine's first tokens (ends passed-through prefills).
-                if first_tokens == "count":
-                    router.load.engine_first_tokens(names[k], stats.ttft_count)
-                elif first_tokens == "waiting":
-                    router.load.engine_prefills_waiting(names[k], stats.prefills_waiting, at)
+                tell_counts(router, names[k], stats, at)
+
+    def tell_counts(router: Router, name: str, stats: EngineStats, at: float) -> None:
+        # What the gateway reads of the counts that end passed-through prefills.
+        if first_tokens == "count":
+            router.load.engine_first_tokens(name, stats.ttft_count)
+        elif first_tokens == "waiting":
+            router.load.engine_prefills_waiting(name, stats.prefills_waiting, at)
 
     def read_first_tokens(at: float) -> None:
         for k, e in enumerate(engine_list):
             stats = None
             for router in every_router:
-                if not router.load.awaits_unseen(names[k]):
-                    continue
-                stats = stats or e.stats()
-                if first_tokens == "count":
-                    router.load.engine_first_tokens(names[k], stats.ttft_count)
-                elif first_tokens == "waiting":
-                    router.load.engine_prefills_waiting(names[k], stats.prefills_waiting, at)
+                if router.load.awaits_unseen(names[k]):
+                    stats = stats or e.stats()
+                    tell_counts(router, names[k], stats, at)
 
     every_scrape = (_every(metrics_interval_s, start + metrics_interval_s, scrape)
                     if metrics_interval_s else lambda t: None)

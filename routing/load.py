@@ -290,7 +290,7 @@ class LoadTracker:
         their streamed first tokens for this gateway's unseen ones (three gateways on the
         slow fleet near saturation with half the requests passed through: 6.0 s read every
         second, 4.3 s at the scrapes alone)."""
-        return bool(self._blind.get(replica)) and not (self.remote and replica in self.remote)
+        return bool(self._blind.get(replica)) and replica not in self.remote
 
     def engine_first_tokens(self, replica: str, count: float | None) -> None:
         """The replica's engine has produced `count` first tokens so far (from its metrics,
@@ -311,7 +311,7 @@ class LoadTracker:
         if others[5]:
             # Other gateways' requests passed through end there too, and each gateway reads
             # the same count: each takes its share, as its requests are of those waiting.
-            unseen = int(unseen * len(ends) / (len(ends) + others[5]) + 0.5)
+            unseen = _share(unseen, len(ends), others[5])
         for _ in range(min(unseen, len(ends))):
             self._presume_oldest(replica, ends)
 
@@ -358,7 +358,7 @@ class LoadTracker:
             # Other gateways' requests passed through wait there too: the engine's count
             # holds them all, so each gateway takes its share of what it cannot hold, as its
             # requests are of those passed through there (as with the count of first tokens).
-            excess = int((excess + others) * weighed / (weighed + others) + 0.5)
+            excess = _share(excess + others, weighed, others)
         for _ in range(min(excess, weighed)):
             self._presume_oldest(replica, ends)
 
@@ -491,6 +491,11 @@ class LoadTracker:
             engine_waiting=engine_waiting,
             kv_usage=kv_usage,
         )
+
+
+def _share(n: int, own: int, others: int) -> int:
+    """This gateway's share of `n`, as its `own` requests are of `own + others`, rounded."""
+    return int(n * own / (own + others) + 0.5)
 
 
 def _take(counts: dict[float, int], key: float) -> bool:

@@ -19,6 +19,7 @@ from loadtests.metrics import (
     ENGINE_TTFT,
     HITS,
     QUERIES,
+    RUNNING,
     SUCCESS,
     WAITING,
     labelled_values,
@@ -29,6 +30,7 @@ from loadtests.metrics import (
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
 from loadtests.stats import bucket_bound, max_over_mean, median, nearest_rank, percentile
+from tests.conftest import poll
 
 
 def test_parse_sums_adds_series_and_ignores_comments() -> None:
@@ -194,15 +196,15 @@ def test_a_simulated_trtllm_fleet_is_read_and_emptied_as_a_vllm_one() -> None:
     # gateway's to drain), and empty the simulated engine's cache through its control path.
     fleet = Fleet()
     try:
-        (url,) = fleet.start_sims(1, 512_000, "llama-8b-h200", time_scale=0.02,
+        (url,) = fleet.start_sims(1, 512_000, "llama-8b-h200", time_scale=1.0,
                                   engine="trtllm")
-        body = json.dumps({"model": MODEL, "prompt": "the same words again " * 100,
-                           "max_tokens": 2}).encode()
 
-        def ask() -> None:
+        def ask(max_tokens: int = 2) -> None:
+            body = json.dumps({"model": MODEL, "prompt": "the same words again " * 100,
+                               "max_tokens": max_tokens}).encode()
             req = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=60) as r:
                 assert r.status == 200
 
         names = (HITS, QUERIES, SUCCESS, ENGINE_TTFT + "_count")
@@ -215,6 +217,14 @@ def test_a_simulated_trtllm_fleet_is_read_and_emptied_as_a_vllm_one() -> None:
         ask()
         cold = scrape_sync(url, names, engine="trtllm")
         assert cold[QUERIES] > warm[QUERIES] and cold[HITS] == warm[HITS]
-        wait_idle([url], engine="trtllm", deadline_s=30)
+        # A long answer in flight: read as running, and waited for until it is done.
+        long = threading.Thread(target=ask, args=(300,))
+        long.start()
+        try:
+            assert poll(lambda: scrape_sync(url, (RUNNING,), engine="trtllm")[RUNNING] == 1)
+            wait_idle([url], engine="trtllm", deadline_s=60, poll_s=0.05)
+            assert scrape_sync(url, (SUCCESS,), engine="trtllm")[SUCCESS] == 4
+        finally:
+            long.join(timeout=60)
     finally:
         fleet.stop()

@@ -44,6 +44,7 @@ def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
     waiting = _num(it, "numQueuedRequests")
     if waiting is None:
         waiting = _num(ifb, "numPausedRequests")
+    latency_ms = _num(it, "iterLatencyMS")
     max_blocks = _num(kv, "maxNumBlocks")
     used = _num(kv, "usedNumBlocks")
     per_block = _num(kv, "tokensPerBlock")
@@ -57,8 +58,7 @@ def parse_iteration_stats(payload: object) -> EngineSnapshot | None:
         running=running,
         waiting=waiting,
         prefills_waiting=_prefills_waiting(it, ifb),
-        prefills_waiting_lag_s=latency / 1000.0 if (latency := _num(it, "iterLatencyMS"))
-        is not None else None,
+        prefills_waiting_lag_s=latency_ms / 1000.0 if latency_ms is not None else None,
         kv_usage=(used / max_blocks) if used is not None and max_blocks else None,
         prefix_hit_tokens=hits,
         prefix_query_tokens=queries,
