@@ -52,6 +52,59 @@ def test_gateways_sharing_a_replica_each_take_their_share_of_the_engines_count()
         assert gateway.pending_prefill["r0"] == 1000.0
 
 
+def test_a_share_of_the_engines_count_carries_its_fraction_to_the_next_reading() -> None:
+    # Three gateways with two requests passed through each: one ended between readings is a
+    # third of one for each. Rounded, each took none (and two thirds of two, one each).
+    gateways = [LoadTracker() for _ in range(3)]
+    for gateway in gateways:
+        gateway.engine_first_tokens("r0", 0)
+        gateway.dispatched("r0", 1000.0, blind_at=0.0)
+        gateway.dispatched("r0", 1000.0, blind_at=0.0)
+    for gateway in gateways:
+        gateway.set_remote(sum_loads([g.own_load() for g in gateways if g is not gateway]))
+    for count in (1, 2):
+        for gateway in gateways:
+            gateway.engine_first_tokens("r0", count)
+            assert gateway.pending_prefill["r0"] == 2000.0
+    for gateway in gateways:  # the third: a whole one each
+        gateway.engine_first_tokens("r0", 3)
+        assert gateway.pending_prefill["r0"] == 1000.0
+
+
+def test_counts_are_read_between_scrapes_where_others_send_only_if_first_tokens_are_counted(
+) -> None:
+    counted, waiting, other = LoadTracker(), LoadTracker(), LoadTracker()
+    counted.engine_first_tokens("r0", 0)  # an engine that counts first tokens (vLLM)
+    for gateway in (counted, waiting, other):
+        gateway.dispatched("r0", 1000.0, blind_at=0.0)
+    assert counted.awaits_unseen("r0") and waiting.awaits_unseen("r0")
+    counted.set_remote(sum_loads([other.own_load()]))
+    waiting.set_remote(sum_loads([other.own_load()]))
+    # The share of a count read every second carries its fraction; a bound on the waiting
+    # count (TensorRT-LLM) read every second was no better than at the scrapes alone.
+    assert counted.awaits_unseen("r0")
+    assert not waiting.awaits_unseen("r0")
+
+
+def test_another_gateways_passed_through_request_hides_its_prefill_in_the_steps_timed() -> None:
+    streaming, passing = LoadTracker(), LoadTracker()
+    for k in range(12):  # decode steps of 20 ms, four streams
+        streaming.chunk("r0", 0.02 * k)
+    for _ in range(4):
+        streaming.dispatched("r0", 10.0)
+        streaming.first_token("r0", 10.0, now=0.0)
+    streaming.inflight["r0"] = 4
+    seen = streaming.steps.decode_s(4)
+    assert seen is not None and abs(seen - 0.02) < 1e-6
+    passing.dispatched("r0", 8000.0, blind_at=0.3)  # passed through by the other gateway
+    streaming.set_remote(sum_loads([passing.own_load()]))
+    t = 0.02 * 11
+    for _ in range(24):
+        t += 0.05  # longer steps: chunks of the other gateway's prompt, unseen here
+        streaming.chunk("r0", t)
+    assert abs(streaming.steps.decode_s(4) - 0.02) < 1e-6
+
+
 def test_nothing_is_kept_of_passed_through_requests_once_none_is_in_flight() -> None:
     load = LoadTracker()
     load.engine_first_tokens("r0", 0)
@@ -194,6 +247,22 @@ def test_half_passed_through_near_saturation_routes_as_well_as_all_streamed() ->
                        first_tokens="waiting")
     assert waiting["hit_ratio"] > streamed["hit_ratio"] - 0.05
     assert waiting["ttft_mean_s"] < 1.5 * streamed["ttft_mean_s"]
+
+
+def test_a_gateway_streaming_next_to_one_passing_through_routes_as_well_as_all_streamed(
+) -> None:
+    # Two gateways sharing state, request k through gateway k % 2, every other request
+    # streamed: one gateway streams everything, the other passes everything through (a
+    # client that streams on one gateway or worker, one that does not on the other). The
+    # streaming one timed the steps that computed the other's prompts as its own: mean TTFT
+    # 25.8 s and hit ratio 0.44, against 6.4 s and 0.66 with every request streamed.
+    workload = load_workload(None, "tenants", params={
+        "n_tenants": 300, "n_requests": 1500, "rate_per_s": 18})
+    fleet = fleet_profiles(8, "qwen-32b-h200", slow="1:3")
+    streamed = simulate(workload, "prefix_affinity", fleet=fleet, stream_share=1.0, gateways=2)
+    split = simulate(workload, "prefix_affinity", fleet=fleet, stream_share=0.5, gateways=2)
+    assert split["hit_ratio"] > streamed["hit_ratio"] - 0.05
+    assert split["ttft_mean_s"] < 1.5 * streamed["ttft_mean_s"]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "trtllm"])
