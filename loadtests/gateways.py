@@ -9,6 +9,10 @@ gets a key prefix of its own, so no run reads an earlier one's state.
 
     python -m loadtests.gateways --workload tenants --replicas 8 --speedup 2
     python -m loadtests.gateways --workload tenants --replicas 8 --speedup 2 --redis both
+
+With `--stream-share 0.5` every other request streams, so with an even gateway count the
+odd-numbered gateways get every streamed request and the others every request passed
+through whole: a client that streams on one gateway (or worker) next to one that does not.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["gateways"] == 1 and not r["redis"]), results[0])
     shadow = any("shadow_agreement" in r for r in results)
     header = ["gateways", "Redis", "requests", "errors", "TTFT mean s", "/ 1 gw", "TTFT p99 s",
-              "hit ratio", "hit/ideal", "prefill imb.", "agreement", "agr. last",
+              "engine TTFT mean s", "hit ratio", "hit/ideal", "prefill imb.", "agreement",
+              "agr. last",
               *(["shadow agr.", "shadow match", "shadow held"] if shadow else []), "warm requests",
               "gateway CPU ms/req", "duration s"]
     rows = []
@@ -96,7 +101,8 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
         rows.append([
             str(r["gateways"]), "yes" if r["redis"] else "no", str(r["requests"]),
             str(r["errors"]), _f(mean), _f(mean / ref_mean if mean and ref_mean else None),
-            _f(r["ttft_p99_s"]), _f(hit), _f(hit / ideal if hit is not None and ideal else None),
+            _f(r["ttft_p99_s"]), _f(r.get("engine_ttft_mean_s")), _f(hit),
+            _f(hit / ideal if hit is not None and ideal else None),
             _f(r["prefill_imbalance"], 2), _f(r["agreement"]), _f(r.get("agreement_last")),
             *([_f(r.get("shadow_agreement")), _f(r.get("shadow_match_agreement")),
                  _f(r.get("shadow_held_agreement"))]
@@ -125,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "gateway's)")
     add_routing_settings(p)
     rp.add_fleet_arguments(p)
+    rp.add_stream_share(p)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=rp.DEFAULT_MAX_OUTPUT)
@@ -173,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                     redis = (rp.redis_section(redis_url, dict(args.redis_set))
                              if with_redis and redis_url else None)
                     opts = rp.ReplayOptions(args.max_output, args.concurrency_limit,
-                                            args.timeout, label=policy, engine=args.engine)
+                                            args.timeout, label=policy,
+                                            stream_share=args.stream_share, engine=args.engine)
                     t = time.monotonic()
                     res = run_one(fleet, urls, requests, count, redis, args.policy,
                                   dict(args.settings), opts, args.shadow)
