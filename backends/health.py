@@ -116,7 +116,8 @@ class HealthMonitor:
         over a second its histogram's sums reach back past the interval."""
         async with r.scraping:
             read_at = time.time()
-            snap = await pool.adapter.scrape(self.upstream, r.base_url, pool.health.timeout_s)
+            snap = await pool.adapter.read_counts(self.upstream, r.base_url,
+                                                  pool.health.timeout_s)
             if snap is None or r.draining or pool.replicas.get(r.name) is not r:
                 return
             self._tell_counts(pool, r, snap, read_at)

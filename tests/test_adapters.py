@@ -317,6 +317,37 @@ class _IterationStatsOnly:
                 "numCtxTokens": 1000, "numContextRequests": 1, "numGenRequests": 0}}]))
 
 
+class _BothPages(_IterationStatsOnly):
+    """A trtllm-serve with /prometheus/metrics mounted (`return_perf_metrics`), recording the
+    paths read."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def request(self, method: str, url: str, **_: object) -> _IterationStatsOnly._Response:
+        self.paths.append(url.split("/", 3)[3])
+        if url.endswith("/prometheus/metrics"):
+            return self._Response(200, b"trtllm_request_success_total 3\n")
+        return self._Response(200, orjson.dumps([{
+            "iterLatencyMS": 50.0, "numActiveRequests": 3, "numQueuedRequests": 2,
+            "inflightBatchingStats": {"numCtxTokens": 1000, "numContextRequests": 1,
+                                      "numGenRequests": 1, "numPausedRequests": 0}}]))
+
+
+def test_trtllm_counts_between_scrapes_read_the_iteration_stats_alone() -> None:
+    adapter = adapter_for("trtllm")
+    upstream = _BothPages()
+    url = "http://127.0.0.1:1"
+    counts = asyncio.run(adapter.read_counts(upstream, url, 1.0))
+    assert upstream.paths == ["metrics"]
+    assert counts is not None and counts.prefills_waiting == 4  # 2 queued + 3 active - 1 gen
+    # The iterations that read drained still count toward the engine's prefill rate.
+    upstream.paths.clear()
+    snap = asyncio.run(adapter.scrape(upstream, url, 1.0))
+    assert upstream.paths == ["prometheus/metrics", "metrics"]
+    assert snap is not None and (snap.computed_prompt_tokens, snap.prefills) == (2000.0, 2.0)
+
+
 def test_trtllm_counters_from_iterations_restart_for_a_replica_dropped_and_added_again() -> None:
     config = parse_config(one_pool_config(["http://127.0.0.1:1"], 8080, engine="trtllm",
                                           models=("m",)))

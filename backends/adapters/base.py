@@ -98,6 +98,14 @@ class EngineAdapter(ABC):
     ) -> EngineSnapshot | None:
         """Read the engine's load and cache state; None when it exposes nothing usable."""
 
+    async def read_counts(
+        self, upstream: Upstream, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        """Read at least the counts that end passed-through prefills
+        (`EngineSnapshot.first_tokens`, `prefills_waiting`), between scrapes: by default the
+        whole scrape; an engine whose counts are on a page of their own reads that alone."""
+        return await self.scrape(upstream, base_url, timeout)
+
     async def tokenize(self, upstream: Upstream, base_url: str, payload: dict[str, Any],
                        chat: bool, headers: Mapping[str, str]) -> list[int] | None:
         """The engine's own token ids for a request's prompt; None when it cannot tell."""

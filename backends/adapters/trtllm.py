@@ -182,26 +182,10 @@ class TrtllmAdapter(EngineAdapter):
                 self._has_prometheus[base_url] = snap_prom is not None
             elif status in (404, 405):
                 self._has_prometheus[base_url] = False
-        status, text = await fetch_text(upstream, base_url + _JSON_PATH, timeout)
-        snap_json = None
-        if status == 200 and text:
-            try:
-                payload = orjson.loads(text)
-            except orjson.JSONDecodeError:
-                payload = None
-            snap_json = parse_iteration_stats(payload)
-            read = iteration_prefill(payload)
-            if read is not None:
-                sums = self._iterations.setdefault(base_url, [0.0, 0.0, 0.0])
-                for i, v in enumerate(read):
-                    sums[i] += v
+        snap_json = await self._read_iterations(upstream, base_url, timeout)
         sums = self._iterations.get(base_url)
-        if sums is not None:
-            # Timed engine step by step, the prefill rate needs no per-request histogram (and
-            # its error where prefills overlap): once seen, the source for this replica.
-            for snap in (snap_json, snap_prom):
-                if snap is not None:
-                    snap.computed_prompt_tokens, snap.prefill_seconds, snap.prefills = sums
+        if sums is not None and snap_prom is not None:
+            snap_prom.computed_prompt_tokens, snap_prom.prefill_seconds, snap_prom.prefills = sums
         if snap_prom is None:
             return snap_json
         if snap_json is not None:
@@ -211,3 +195,35 @@ class TrtllmAdapter(EngineAdapter):
                 if getattr(snap_prom, field) is None:
                     setattr(snap_prom, field, getattr(snap_json, field))
         return snap_prom
+
+    async def read_counts(
+        self, upstream: Upstream, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        # The count of requests awaiting a first token is in the iteration stats alone: the
+        # Prometheus page, fetched at every scrape, is not needed between them.
+        return await self._read_iterations(upstream, base_url, timeout)
+
+    async def _read_iterations(
+        self, upstream: Upstream, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        """The iteration stats (/metrics), their prefill timings added to the running sums
+        whichever read drained them."""
+        status, text = await fetch_text(upstream, base_url + _JSON_PATH, timeout)
+        snap = None
+        if status == 200 and text:
+            try:
+                payload = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                payload = None
+            snap = parse_iteration_stats(payload)
+            read = iteration_prefill(payload)
+            if read is not None:
+                sums = self._iterations.setdefault(base_url, [0.0, 0.0, 0.0])
+                for i, v in enumerate(read):
+                    sums[i] += v
+        sums = self._iterations.get(base_url)
+        if sums is not None and snap is not None:
+            # Timed engine step by step, the prefill rate needs no per-request histogram (and
+            # its error where prefills overlap): once seen, the source for this replica.
+            snap.computed_prompt_tokens, snap.prefill_seconds, snap.prefills = sums
+        return snap
