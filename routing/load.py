@@ -10,13 +10,13 @@ from routing.engine_speed import EngineSpeeds
 from routing.steps import DECODE_AGREES, StepTimer
 from routing.types import ReplicaView
 
-RemoteLoad = tuple[int, float, float, int, float, int]
+RemoteLoad = tuple[int, float, float, int, float, int, int]
 """Other gateways' load on a replica: (requests in flight, pending prefill tokens, of which
 presumably not yet computed, first tokens seen there so far, when the oldest request still
 awaiting its first token was sent: inf if none or not said, requests passed through whole
-whose prefill is presumably not done)."""
+whose prefill is presumably not done, requests streamed still awaiting a first token)."""
 
-NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf, 0)
+NO_LOAD: RemoteLoad = (0, 0.0, 0.0, 0, math.inf, 0, 0)
 """No other gateway's load on a replica."""
 
 ENDS_DECAY = 200.0
@@ -99,7 +99,9 @@ class LoadTracker:
         prefill tokens, of those presumably not yet computed (`prefill_left`), first tokens
         seen there so far, when the oldest request awaiting its first token was sent (None:
         none, or not said), requests passed through whole whose prefill is presumably not
-        done (`engine_first_tokens`)]} for the replicas with requests.
+        done (`engine_first_tokens`), requests streamed still awaiting a first token
+        (`engine_prefills_waiting`)]} for the replicas with requests; the last two left out
+        while both are none, the last while it is.
 
         Others must see the same drained figure this gateway routes on: counted whole, its
         long prompts would make a replica look busier to every other gateway than to it, and
@@ -120,7 +122,10 @@ class LoadTracker:
                     n, round(p, 1), round(p - done, 1), self._first_tokens.get(r, 0),
                     round(oldest, 3) if oldest > -math.inf else None]
                 unseen = len(self._blind.get(r, ()))
-                if unseen:  # most often none: the figure is left out, as older gateways do
+                streamed = len(order) - unseen if order else 0
+                if streamed:
+                    entry += (unseen, streamed)
+                elif unseen:  # most often none: the figure is left out, as older gateways do
                     entry.append(unseen)
                 out[r] = entry
         return out
@@ -129,8 +134,9 @@ class LoadTracker:
         """Replace the other gateways' load with `loads` (`sum_loads`; replicas absent:
         none)."""
         self.remote = {r: (max(0, int(n)), max(0.0, float(p)), max(0.0, float(left)),
-                           int(firsts), float(oldest), max(0, int(unseen[0])) if unseen else 0)
-                       for r, (n, p, left, firsts, oldest, *unseen) in loads.items()
+                           int(firsts), float(oldest), max(0, int(rest[0])) if rest else 0,
+                           max(0, int(rest[1])) if len(rest) > 1 else 0)
+                       for r, (n, p, left, firsts, oldest, *rest) in loads.items()
                        if n > 0 or p > 0}
 
     def dispatched(self, replica: str, uncached_tokens: float,
@@ -217,6 +223,7 @@ class LoadTracker:
             self._blind_inflight[replica] -= 1
         if not left:
             self._decoding[replica] = self._blind_inflight[replica] = 0
+            self._order.pop(replica, None)  # nothing in flight awaits a first token
             # Nothing in flight, nothing passed through waits: what a miscount (a request
             # that failed before its first token, taken for one passed through) left goes.
             self._blind.pop(replica, None)
@@ -293,15 +300,12 @@ class LoadTracker:
         the engine's counts read now could end them (`engine_first_tokens`,
         `engine_prefills_waiting`) between its regular scrapes.
 
-        Where other gateways send too, only an engine that counts first tokens: each gateway
-        takes its share of those and carries the fraction. Three gateways on the slow fleet
-        near saturation with half the requests passed through went from 4.19 s at the scrapes
-        alone, rounding their shares, to 3.63 s (geometric means over 11 seeds). The count of
-        requests awaiting a first token (TensorRT-LLM) is a level, not a count since the last
-        reading; read every second with several gateways it was level with the scrapes alone
-        (0.99x over 8 seeds), and the reads are saved."""
-        return bool(self._blind.get(replica)) and (
-            replica in self._engine_firsts or replica not in self.remote)
+        Also where other gateways send: each takes its share of the first tokens and carries
+        the fraction, and takes the others' streamed requests off a count of requests
+        awaiting a first token. Read at the scrapes alone there, with rounded shares, three
+        gateways on the slow fleet near saturation with half the requests passed through
+        were at 4.19 s (vLLM, geometric mean over 11 seeds)."""
+        return bool(self._blind.get(replica))
 
     def engine_first_tokens(self, replica: str, count: float | None) -> None:
         """The replica's engine has produced `count` first tokens so far (from its metrics,
@@ -345,11 +349,12 @@ class LoadTracker:
         and err late under a standing queue; this bound catches what the estimate is late
         for. Only requests sent ENGINE_READ_SLACK_S before the moment counted are weighed, on
         both sides: one sent later may not have reached the engine's queue by then. With
-        several gateways, each takes its share of what the count leaves out, as its requests
-        passed through are of all those there (their count is in the shared load); other
-        gateways' streamed requests are not known here and are not taken off the count.
-        Without the share, three gateways on the slow fleet near saturation with half the
-        requests passed through were at 16.8 s, with it 6.2 s (estimates alone: 9.1 s)."""
+        several gateways, the others' streamed requests still awaiting a first token, as
+        they last said, are taken off the count too, and each gateway takes its share of what
+        the count leaves out, as its requests passed through are of all those there (their
+        count is in the shared load). Without the share, three gateways on the slow fleet
+        near saturation with half the requests passed through were at 16.8 s, with it 6.2 s
+        (estimates alone: 9.1 s)."""
         if waiting is None or replica in self._engine_firsts:
             return
         ends = self._blind.get(replica)
@@ -369,13 +374,16 @@ class LoadTracker:
             streamed += 1
         # `order` holds every request awaiting a first token, those passed through included.
         streamed = max(0, streamed - weighed)
-        excess = weighed - max(0, int(waiting) - streamed)
-        others = self.remote.get(replica, NO_LOAD)[5] if self.remote else 0
-        if others:
+        others = self.remote.get(replica, NO_LOAD) if self.remote else NO_LOAD
+        # The others' streamed requests wait in the count as this gateway's do. Left in, a
+        # gateway passing everything through next to one streaming everything read the
+        # count as room for its own: its estimates, late, held requests queued.
+        excess = weighed - max(0, int(waiting) - streamed - others[6])
+        if others[5]:
             # Other gateways' requests passed through wait there too: the engine's count
             # holds them all, so each gateway takes its share of what it cannot hold, as its
             # requests are of those passed through there (as with the count of first tokens).
-            excess = _share(excess + others, weighed, others)
+            excess = _share(excess + others[5], weighed, others[5])
         for _ in range(min(excess, weighed)):
             self._presume_oldest(replica, ends)
 
@@ -533,7 +541,8 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str
     oldest of theirs), for `set_remote`. An entry of an older gateway lacks the last figures:
     without the drained one it counts its pending prefill whole; without the first tokens,
     none (steps ending its prefills teach this gateway as its own would); without the oldest
-    request, none ahead of this gateway's; without the requests passed through, none."""
+    request, none ahead of this gateway's; without the requests passed through, or the
+    requests streamed awaiting a first token, none."""
     total: dict[str, RemoteLoad] = {}
     for replicas in loads:
         for replica, entry in replicas.items():
@@ -542,7 +551,8 @@ def sum_loads(loads: Iterable[Mapping[str, Sequence[float | None]]]) -> dict[str
             firsts = int(entry[3]) if len(entry) > 3 else 0
             oldest = entry[4] if len(entry) > 4 and entry[4] is not None else math.inf
             unseen = int(entry[5]) if len(entry) > 5 and entry[5] is not None else 0
-            n0, p0, l0, f0, o0, u0 = total.get(replica, NO_LOAD)
+            streamed = int(entry[6]) if len(entry) > 6 and entry[6] is not None else 0
+            n0, p0, l0, f0, o0, u0, s0 = total.get(replica, NO_LOAD)
             total[replica] = (n0 + n, p0 + pending, l0 + left, f0 + firsts, min(o0, oldest),
-                              u0 + unseen)
+                              u0 + unseen, s0 + streamed)
     return total

@@ -71,19 +71,29 @@ def test_a_share_of_the_engines_count_carries_its_fraction_to_the_next_reading()
         assert gateway.pending_prefill["r0"] == 1000.0
 
 
-def test_counts_are_read_between_scrapes_where_others_send_only_if_first_tokens_are_counted(
-) -> None:
+def test_counts_are_read_between_scrapes_where_other_gateways_send_too() -> None:
     counted, waiting, other = LoadTracker(), LoadTracker(), LoadTracker()
     counted.engine_first_tokens("r0", 0)  # an engine that counts first tokens (vLLM)
     for gateway in (counted, waiting, other):
         gateway.dispatched("r0", 1000.0, blind_at=0.0)
-    assert counted.awaits_unseen("r0") and waiting.awaits_unseen("r0")
-    counted.set_remote(sum_loads([other.own_load()]))
-    waiting.set_remote(sum_loads([other.own_load()]))
-    # The share of a count read every second carries its fraction; a bound on the waiting
-    # count (TensorRT-LLM) read every second was no better than at the scrapes alone.
-    assert counted.awaits_unseen("r0")
-    assert not waiting.awaits_unseen("r0")
+    # The shares of first tokens carry their fractions, and a waiting count (TensorRT-LLM)
+    # leaves out the other gateways' streamed requests: both are read every second.
+    for gateway in (counted, waiting):
+        gateway.set_remote(sum_loads([other.own_load()]))
+        assert gateway.awaits_unseen("r0")
+
+
+def test_a_waiting_count_leaves_out_the_other_gateways_streamed_requests() -> None:
+    streaming, passing = LoadTracker(), LoadTracker()
+    for _ in range(2):
+        streaming.dispatched("r0", 1000.0, sent_at=0.0)
+        passing.dispatched("r0", 1000.0, sent_at=0.0, blind_at=0.0)
+    passing.set_remote(sum_loads([streaming.own_load()]))
+    # Two requests await a first token there: the streaming gateway's two. The two passed
+    # through are prefilled. Read as room for its own, the count left both queued.
+    passing.engine_prefills_waiting("r0", 2, read_at=10.0)
+    assert passing.pending_prefill["r0"] == 0.0
+    assert passing.inflight["r0"] == 2  # still decoding
 
 
 def test_another_gateways_passed_through_request_hides_its_prefill_in_the_steps_timed() -> None:

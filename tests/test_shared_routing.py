@@ -147,11 +147,13 @@ async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServe
         view = router_b.load.view("rt-2")
         assert view.pending_prefill_tokens == 3000.0
         assert router_b.load.inflight.get("rt-2", 0) == 0  # not B's own to finish
-        # When A's oldest request there was sent: B credits none of its own ahead of it.
-        assert router_b.load.remote["rt-2"][3:] == (0, 1000.25, 0)
+        # When A's oldest request there was sent: B credits none of its own ahead of it. And
+        # A's three streamed requests awaiting a first token: the waiting count of an engine
+        # that counts no first tokens holds them (`LoadTracker.engine_prefills_waiting`).
+        assert router_b.load.remote["rt-2"][3:] == (0, 1000.25, 0, 3)
         # A's first token there: B learns that a step there ended a prefill of A's.
         load_a.first_token("rt-2", 1000.0, 1001.0, 1000.25)
-        await eventually(lambda: router_b.load.remote["rt-2"][3:] == (1, 1000.5, 0))
+        await eventually(lambda: router_b.load.remote["rt-2"][3:] == (1, 1000.5, 0, 2))
         load_a.first_token("rt-2", 2000.0)
         for _ in range(3):
             load_a.finished("rt-2", 0.0, True)
@@ -160,7 +162,7 @@ async def test_load_on_one_gateway_is_seen_by_the_other(redis_server: RedisServe
         # A request of A's passed through whole: B counts it among those the engine's count
         # of first tokens must be shared with (`LoadTracker.engine_first_tokens`).
         load_a.dispatched("rt-2", 500.0, 1002.0, blind_at=5.0)
-        await eventually(lambda: router_b.load.remote.get("rt-2", NO_LOAD)[5] == 1)
+        await eventually(lambda: router_b.load.remote.get("rt-2", NO_LOAD)[5:] == (1, 0))
 
 
 async def test_load_booked_after_a_quiet_spell_is_seen_without_any_insert(

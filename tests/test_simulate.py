@@ -607,9 +607,10 @@ def test_load_is_published_as_the_gateway_encodes_it_when_looked_at() -> None:
     gws.run_until(0.049)
     assert b.load.remote == {}
     gws.run_until(0.05)  # the next look sees it changed and writes it
-    # In flight, pending, left to compute, first tokens seen, when the oldest was sent.
-    assert encode_load(a) == b'{"r0":[1,300.0,300.0,0,0.001]}'
-    assert b.load.remote == {"r0": (1, 300.0, 300.0, 0, 0.001, 0)}
+    # In flight, pending, left to compute, first tokens seen, when the oldest was sent,
+    # passed through and not yet prefilled, streamed awaiting a first token.
+    assert encode_load(a) == b'{"r0":[1,300.0,300.0,0,0.001,0,1]}'
+    assert b.load.remote == {"r0": (1, 300.0, 300.0, 0, 0.001, 0, 1)}
     assert b.load.view("r0").inflight == 1
 
 

@@ -390,14 +390,14 @@ def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path
         w._listed_at = -10.0  # list the directory again: every worker's file is there now
         w.tick(now)
     # Summed, and the oldest request of theirs (B's, sent at 5.0) is what C and A see.
-    assert c.pools[0].router.load.remote == {"replica-0": (3, 300.0, 300.0, 0, 5.0, 0)}
-    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 5.0, 0)}
+    assert c.pools[0].router.load.remote == {"replica-0": (3, 300.0, 300.0, 0, 5.0, 0, 3)}
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 5.0, 0, 1)}
     assert a.pools[0].router.load.inflight == {"replica-0": 2}  # its own stay its own
     view = c.pools[0].router.load.view("replica-0")
     assert (view.inflight, view.pending_prefill_tokens) == (3, 300.0)
     lb.remove()  # B stopped: C forgets its load at once
     lc.tick(now + 0.1)
-    assert c.pools[0].router.load.remote == {"replica-0": (2, 200.0, 200.0, 0, 10.0, 0)}
+    assert c.pools[0].router.load.remote == {"replica-0": (2, 200.0, 200.0, 0, 10.0, 0, 2)}
     # A dies without a word: its file stops being rewritten, and ages out.
     lc.tick(now + lc.ttl_s + 1)
     assert c.pools[0].router.load.remote == {}
@@ -473,7 +473,7 @@ def test_idle_workers_look_at_each_others_load_once_a_second_busy_ones_every_25_
     la._listed_at = -10.0
     la.tick(1000.0)
     assert la.pause_s() == INTERVAL_S
-    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 1000.0, 0)}
+    assert a.pools[0].router.load.remote == {"replica-0": (1, 100.0, 100.0, 0, 1000.0, 0, 1)}
 
 
 async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
@@ -494,7 +494,8 @@ async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
         assert a.observer.load_moved is None  # woken once; the rest costs nothing
         await eventually(la.path.exists)
         written = orjson.loads(la.path.read_bytes())["p"]
-        assert written == {"default": {"replica-0": [2, 200.0, 200.0, 0, 1000.0]}}
+        # Two requests awaiting a first token, none passed through (`LoadTracker.own_load`).
+        assert written == {"default": {"replica-0": [2, 200.0, 200.0, 0, 1000.0, 0, 2]}}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
