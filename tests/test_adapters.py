@@ -14,7 +14,7 @@ from backends.adapters.trtllm import (
     parse_iteration_stats,
     parse_trtllm_prometheus,
 )
-from backends.adapters.vllm import parse_vllm_metrics
+from backends.adapters.vllm import parse_vllm_first_tokens, parse_vllm_metrics
 from backends.pool import ReplicaState
 from backends.upstream.aiohttp_client import AiohttpUpstream
 from gateway.config import parse_config
@@ -293,6 +293,26 @@ def test_adapter_for_knows_only_real_engine_kinds() -> None:
     assert isinstance(adapter_for("trtllm"), TrtllmAdapter)
     with pytest.raises(ValueError, match="expected vllm or trtllm"):
         adapter_for("sim")
+
+
+def test_vllm_counts_between_scrapes_are_the_first_tokens_of_the_whole_page() -> None:
+    # Read every second while requests passed through may wait: a scan of the page's lines,
+    # which must find what the full parse finds.
+    for name in ("vllm_metrics.txt", "vllm_metrics_busy.txt"):
+        text = (ROOT / "tests" / "fixtures" / name).read_text()
+        assert parse_vllm_first_tokens(text).first_tokens == parse_vllm_metrics(
+            text).first_tokens > 0
+    # Two engines (data-parallel ranks) sum; comments, a label value that looks like a
+    # sample, and another metric whose name begins with this one's are not samples.
+    two = """\
+# HELP vllm:time_to_first_token_seconds_count 5
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_count{engine="0",model_name="a} 7"} 3.0
+vllm:time_to_first_token_seconds_count_other 11.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="b"} 4.0 1700000000000
+"""
+    assert parse_vllm_first_tokens(two).first_tokens == 7.0
+    assert parse_vllm_first_tokens("vllm:num_requests_running 1.0\n").first_tokens is None
 
 
 class _IterationStatsOnly:

@@ -12,6 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.adapters.vllm import parse_vllm_first_tokens
 from gateway import processes
 from gateway.defaults import one_pool_config
 from tests.conftest import poll, start_gateway, streaming_meanwhile
@@ -223,3 +224,5 @@ def test_a_real_engine_counts_a_first_token_before_the_request_ends(vllm_replica
                  deadline_s=REQUEST_TIMEOUT_S)
     assert after[1] == before[1], (before, after)
     assert after[0] == before[0] + 1, (before, after)
+    # What the gateway reads between scrapes, a scan of the page for that count alone.
+    assert parse_vllm_first_tokens(httpx.get(url + "/metrics").text).first_tokens == after[0]

@@ -17,6 +17,36 @@ _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+_FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
+
+
+def parse_vllm_first_tokens(text: str) -> EngineSnapshot:
+    """Only the count of first tokens of a vLLM /metrics page (summed over engines, as
+    `parse_vllm_metrics` does), by a scan of its lines: read every second while requests
+    passed through may wait, the whole page parsed cost the gateway 6.3 ms of CPU per replica
+    (a 48 kB page)."""
+    total: float | None = None
+    start = 0
+    while (at := text.find(_FIRST_TOKENS, start)) >= 0:
+        end = text.find("\n", at)
+        line = text[at:end if end >= 0 else len(text)]
+        start = at + len(_FIRST_TOKENS)
+        if at > 0 and text[at - 1] != "\n":
+            continue  # in a comment or a label
+        rest = line[len(_FIRST_TOKENS):]
+        if rest[:1] == "{":
+            rest = rest[rest.rfind("}") + 1:]
+        elif rest[:1] not in (" ", "\t"):
+            continue  # another metric's name that begins with this one
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        total = value if total is None else total + value
+    return EngineSnapshot(first_tokens=total, source="vllm:first-tokens")
 
 
 def parse_vllm_metrics(text: str) -> EngineSnapshot:
@@ -104,6 +134,14 @@ class VllmAdapter(EngineAdapter):
             return parse_vllm_metrics(text)
         except ValueError:
             return None
+
+    async def read_counts(
+        self, upstream: Upstream, base_url: str, timeout: float
+    ) -> EngineSnapshot | None:
+        status, text = await fetch_text(upstream, base_url + "/metrics", timeout)
+        if status != 200 or not text:
+            return None
+        return parse_vllm_first_tokens(text)
 
     async def tokenize(self, upstream: Upstream, base_url: str, payload: dict[str, Any],
                        chat: bool, headers: Mapping[str, str]) -> list[int] | None:
