@@ -228,3 +228,26 @@ def test_a_simulated_trtllm_fleet_is_read_and_emptied_as_a_vllm_one() -> None:
             long.join(timeout=60)
     finally:
         fleet.stop()
+
+
+def test_count_read_cost_reads_a_replica_and_its_server_cpu(tmp_path, capsys) -> None:
+    from loadtests.count_read_cost import main as count_read_cost
+    from tests.conftest import start_sims
+
+    sims = start_sims(["vllm"], tmp_path)
+    try:
+        assert count_read_cost(["--url", sims.urls[0], "--pid", str(sims.procs[0].pid),
+                                "--reads", "20"]) == 0
+    finally:
+        sims.stop()
+    rows = dict(line.strip("|").split("|")[:2] for line in capsys.readouterr().out.splitlines()
+                if line.startswith("| ") and not line.startswith("| measure"))
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["page"].endswith("lines") and float(rows["page"].split()[0]) > 0
+    # Given the server's pid, its CPU per read is read (without, the row says "-").
+    assert float(rows["API server CPU ms per read"]) >= 0.0
+    p50, p99 = (float(x) for x in rows["read latency p50 / p99 ms"].split(" / "))
+    assert 0.0 < p50 <= p99
+    for row in ("gateway: full parse (a scrape) ms", "gateway: first-token scan (between "
+                "scrapes) ms"):
+        assert float(rows[row]) > 0.0
