@@ -55,6 +55,13 @@ def gw(sims: Sims, tmp_path) -> Iterator[Gateway]:
     g.stop()
 
 
+def test_workers_without_shared_routing_state_are_told_what_it_costs(gw: Gateway) -> None:
+    # Each worker keeps its own prefix index: near saturation that cost 3.8x the mean TTFT
+    # of one worker (docs/benchmarks.md), which a redis section removes.
+    assert "2 workers and no shared routing state" in gw.log()
+    assert "give them a redis section" in gw.log()
+
+
 def stats(gw: Gateway) -> dict:
     r = httpx.get(gw.url + "/admin/stats", timeout=10)
     assert r.status_code == 200
@@ -566,3 +573,16 @@ def test_the_supervisor_sleeps_until_something_happens() -> None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "timeouts ['None']" in out, out
+
+
+def test_no_word_of_a_per_worker_index_where_workers_share_it_through_redis() -> None:
+    from gateway.cli import workers_banner
+    from gateway.config import parse_config
+    from gateway.defaults import one_pool_config
+
+    raw = one_pool_config(["http://127.0.0.1:1"], 8080)
+    assert workers_banner(parse_config(raw)) is None  # one worker
+    raw["server"]["workers"] = 2
+    assert "no shared routing state" in (workers_banner(parse_config(raw)) or "")
+    raw["redis"] = {"url": "redis://127.0.0.1:6379/0"}
+    assert workers_banner(parse_config(raw)) is None
