@@ -13,7 +13,6 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,14 +20,8 @@ from collections.abc import Callable
 import httpx
 
 from backends.adapters.vllm import parse_vllm_first_tokens, parse_vllm_metrics
+from loadtests.overhead import cpu_seconds
 from loadtests.report import markdown_table
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of process `pid` so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def per_call_ms(fn: Callable[[], object], n: int) -> float:

@@ -329,10 +329,10 @@ class LoadTracker:
             # and carries the fraction to its next reading. Rounded instead, a share read
             # every second was a fraction of one request most of the time: with three
             # gateways a third of one rounded to none, two thirds of two to one each.
-            exact = unseen * len(ends) / (len(ends) + others[5]) + self._share_left.get(
-                replica, 0.0)
-            unseen = math.floor(exact) if exact > 0.0 else 0
-            self._share_left[replica] = exact - unseen if exact > 0.0 else 0.0
+            exact = max(0.0, unseen * len(ends) / (len(ends) + others[5])
+                        + self._share_left.get(replica, 0.0))
+            unseen = math.floor(exact)
+            self._share_left[replica] = exact - unseen
         for _ in range(min(unseen, len(ends))):
             self._presume_oldest(replica, ends)
 

@@ -28,12 +28,11 @@ def parse_vllm_first_tokens(text: str) -> EngineSnapshot:
     total: float | None = None
     start = 0
     while (at := text.find(_FIRST_TOKENS, start)) >= 0:
-        end = text.find("\n", at)
-        line = text[at:end if end >= 0 else len(text)]
         start = at + len(_FIRST_TOKENS)
         if at > 0 and text[at - 1] != "\n":
             continue  # in a comment or a label
-        rest = line[len(_FIRST_TOKENS):]
+        end = text.find("\n", start)
+        rest = text[start:end if end >= 0 else None]
         if rest[:1] == "{":
             rest = rest[rest.rfind("}") + 1:]
         elif rest[:1] not in (" ", "\t"):
@@ -127,8 +126,8 @@ class VllmAdapter(EngineAdapter):
     async def scrape(
         self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
-        status, text = await fetch_text(upstream, base_url + "/metrics", timeout)
-        if status != 200 or not text:
+        text = await _metrics_page(upstream, base_url, timeout)
+        if text is None:
             return None
         try:
             return parse_vllm_metrics(text)
@@ -138,10 +137,8 @@ class VllmAdapter(EngineAdapter):
     async def read_counts(
         self, upstream: Upstream, base_url: str, timeout: float
     ) -> EngineSnapshot | None:
-        status, text = await fetch_text(upstream, base_url + "/metrics", timeout)
-        if status != 200 or not text:
-            return None
-        return parse_vllm_first_tokens(text)
+        text = await _metrics_page(upstream, base_url, timeout)
+        return None if text is None else parse_vllm_first_tokens(text)
 
     async def tokenize(self, upstream: Upstream, base_url: str, payload: dict[str, Any],
                        chat: bool, headers: Mapping[str, str]) -> list[int] | None:
@@ -181,3 +178,9 @@ def tokenize_body(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
         body["prompt"] = prompt[0] if isinstance(prompt, list) and prompt and \
             isinstance(prompt[0], str) else prompt
     return body
+
+
+async def _metrics_page(upstream: Upstream, base_url: str, timeout: float) -> str | None:
+    """The engine's /metrics page; None when it cannot be read."""
+    status, text = await fetch_text(upstream, base_url + "/metrics", timeout)
+    return text if status == 200 and text else None
