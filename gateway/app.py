@@ -32,6 +32,7 @@ from gateway.fleet import Fleet
 from gateway.reload import Reloader
 from gateway.state import GatewayState
 from gateway.workerload import WorkerLoad
+from gateway.workerprefixes import WorkerPrefixes
 from gateway.workerview import WorkerView
 
 _NOT_JSON = object()
@@ -72,7 +73,8 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
             view.write()
             shared = asyncio.create_task(view.run())
             if state.shared is None:  # no Redis shares the load: the workers share theirs
-                loads = WorkerLoad(view.directory, state)
+                loads = WorkerLoad(view.directory, state, prefixes=WorkerPrefixes(
+                    view.directory, state.pools, state.observer))
                 loads_task = asyncio.create_task(loads.run())
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk

@@ -65,16 +65,6 @@ def redis_banner(config: GatewayConfig) -> str:
             f"{config.batch_class!r}; {shared}")
 
 
-def workers_banner(config: GatewayConfig) -> str | None:
-    """With several workers and no routing state shared through Redis, what that costs."""
-    if config.server.workers <= 1 or (config.redis and config.redis.shared_routing.enabled):
-        return None
-    return (f"prefix-gateway: {config.server.workers} workers and no shared routing state: "
-            "each keeps its own prefix index, and a fleet near saturation can lose many "
-            "cache hits to it (measured: 3.8x the mean TTFT of one worker); give them a "
-            "redis section (docs/operating.md, several worker processes)")
-
-
 def run_gateway(config: GatewayConfig, *, access_log: bool = False,
                 log_level: str = "info", banner: str | None = None,
                 config_path: str | None = None,
@@ -308,8 +298,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(redis_banner(config), flush=True)
     banner = f"prefix-gateway: serving on http://{config.server.host}:{config.server.port}"
     if config.server.workers > 1:
-        if note := workers_banner(config):
-            print(note, flush=True)
         return serve_workers(args, config, prepare, banner)
     try:
         run_gateway(config, access_log=args.access_log, log_level=args.log_level,

@@ -207,6 +207,8 @@ class RequestCore:
             if not views:
                 self._unrouted(call, "503")
                 return error_reply(no_replica(pool.name))
+            if obs.before_route is not None:
+                obs.before_route()
             first = decision = pool.router.route(call.routing, views)
             obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
             candidates = [decision.replica, *decision.fallbacks]

@@ -133,14 +133,15 @@ class GatewayMetrics:
             "gateways answers, 0 while it does not (the gateway then routes on its own state; "
             "absent when routing state is not shared).", ())
         self.shared_lag = HistogramFamily(
-            "gateway_shared_state_lag_seconds", "Time from another gateway's routing decision "
-            "to its prefix insert being applied to this gateway's index (the writer's clock "
-            "against this one's).", ("pool",), buckets=SHARED_LAG_BUCKETS)
+            "gateway_shared_state_lag_seconds", "Time from another gateway's (or another "
+            "worker's) routing decision to its prefix insert being applied to this one's index "
+            "(the writer's clock against this one's).", ("pool",), buckets=SHARED_LAG_BUCKETS)
         self.shared_inserts = CounterFamily(
-            "gateway_shared_state_inserts", "Prefix inserts shared through Redis, by "
-            "direction: published (this gateway's decisions written), applied (other "
-            "gateways' decisions recorded here), dropped (not written: the queue was full "
-            "while Redis was slow or away).", ("pool", "direction"))
+            "gateway_shared_state_inserts", "Prefix inserts shared through Redis, or between "
+            "the workers of one gateway without it, by direction: published (this gateway's "
+            "or worker's decisions written), applied (the others' decisions recorded here), "
+            "dropped (not written: the queue was full while Redis was slow or away, or the "
+            "workers' files could not be written).", ("pool", "direction"))
         # Authentication, authorisation and rate limits.
         self.auth_rejected = CounterFamily(
             "gateway_auth_rejected", "Requests refused before routing: unauthenticated (401: "

@@ -22,6 +22,9 @@ class Observer:
         self.load_moved: Callable[[], None] | None = None
         """Called when a request starts or ends on a replica, while set: the workers' shared
         load (gateway/workerload.py), idle, is woken at once by the first request."""
+        self.before_route: Callable[[], None] | None = None
+        """Called before a request is routed, while set: the workers' shared load and
+        prefixes, idle, catch up with the other workers' before the first decision."""
 
     def decided(self, pool: str, policy: str, cls: str, d: Decision) -> None:
         m = self.m

@@ -15,8 +15,8 @@ is free, and none is lost when a worker dies). It serves nothing itself:
 The workers share what /metrics and /admin/stats show through files in a private directory
 on a memory filesystem when there is one (`shared_dir`; gateway/workerview.py); the
 supervisor renames a dead worker's file `retired-PID` so that its counts stay in the sums.
-Without Redis they share their load per replica there too (gateway/workerload.py); the
-supervisor deletes a dead worker's.
+Without Redis they share their load per replica there too (gateway/workerload.py), and
+the prefixes they route (gateway/workerprefixes.py); the supervisor deletes a dead worker's.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 
 from gateway.processes import die_with_parent
 from gateway.workerload import load_path
+from gateway.workerprefixes import prefixes_path
 from gateway.workerview import RETIRED
 
 log = logging.getLogger("prefix_gateway.supervisor")
@@ -300,6 +301,8 @@ class Supervisor:
             os.replace(path, path.with_name(f"{RETIRED}{pid}.json"))
         with contextlib.suppress(OSError):  # its requests in flight are gone with it
             load_path(self.dir, pid).unlink()
+        with contextlib.suppress(OSError):  # the others applied its prefixes already
+            prefixes_path(self.dir, pid).unlink()
 
 
 def shared_dir(candidates: tuple[str, ...] = MEMORY_DIRS) -> str:

@@ -10,16 +10,18 @@ Every `interval_s` (25 ms) while any worker has requests in flight, each worker:
   again every third of `ttl_s` while it is not empty (a heartbeat);
 - reads the other workers' files whose modification time changed since it last read them,
   and hands each pool's router the sum (`Router.apply_remote_load`), as shared routing state
-  does with other gateways' load.
+  does with other gateways' load;
+- with `prefixes`, appends the prefixes it routed since and reads the others'
+  (gateway/workerprefixes.py).
 
 A file older than `ttl_s` (a worker that died without a word) no longer counts, and the
 supervisor deletes a dead worker's file at once. While no worker has a request in flight, a
 worker looks only every `idle_interval_s` (1 s) and writes nothing: 40 wake-ups a second
 cost an idle worker about as much CPU as its health checks, scrapes and server together. Its
-first request wakes it at once (`Observer.load_moved`, one comparison on the request path),
-so from the next request on it routes on the others' load as fresh as before; only that
-first decision sees their load as it was at the last look. Nothing else here runs on the
-request path.
+first request catches up before it is routed (`Observer.before_route`: one tick, on the
+request's path, once per idle spell) and wakes it, so every decision routes on the others'
+latest load and prefixes (`Observer.load_moved` wakes it too). Nothing else here runs on the
+request path: two comparisons, and for the prefixes one append to a queue.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import orjson
 
 from backends.pool import Pool
 from gateway.state import GatewayState
+from gateway.workerprefixes import SUFFIX as PREFIXES_SUFFIX
+from gateway.workerprefixes import WorkerPrefixes
 from routing.load import sum_loads
 
 log = logging.getLogger("prefix_gateway.workers")
@@ -59,9 +63,12 @@ class WorkerLoad:
 
     def __init__(self, directory: str | Path, state: GatewayState,
                  interval_s: float = INTERVAL_S, ttl_s: float = TTL_S,
-                 pid: int | None = None, idle_interval_s: float = IDLE_INTERVAL_S) -> None:
+                 pid: int | None = None, idle_interval_s: float = IDLE_INTERVAL_S,
+                 prefixes: WorkerPrefixes | None = None) -> None:
         self.directory = Path(directory)
         self.state = state
+        self.prefixes = prefixes
+        """The prefixes and rates shared beside the load, at the same ticks (None: not)."""
         self.interval_s = interval_s
         self.idle_interval_s = idle_interval_s
         self.ttl_s = ttl_s
@@ -73,6 +80,7 @@ class WorkerLoad:
         self._written_at = 0.0
         self._listed_at = -_LIST_EVERY_S
         self._files: list[str] = []
+        self._prefix_files: list[str] = []
         self._seen: dict[str, int] = {}
         """File -> the modification time (ns) of what was last read from it."""
         self._theirs: dict[str, dict[str, Any]] = {}
@@ -99,6 +107,9 @@ class WorkerLoad:
                 os.close(fd)
             os.replace(self._tmp, self._path)
             self._own, self._written_at = own, now
+        prefixes = self.prefixes
+        if prefixes is not None:
+            prefixes.write()
         if now - self._listed_at >= _LIST_EVERY_S:
             self._listed_at = now
             # Plain strings from here on: pathlib's per-call cost, 80 times a second, showed.
@@ -106,6 +117,11 @@ class WorkerLoad:
             for gone in set(self._theirs) - set(self._files):
                 self._theirs.pop(gone, None)
                 self._seen.pop(gone, None)
+            if prefixes is not None:
+                self._prefix_files = [str(p) for p in self.directory.glob(f"*{PREFIXES_SUFFIX}")
+                                      if p != prefixes.path]
+        if prefixes is not None:
+            prefixes.read(self._prefix_files)
         changed = False
         for path in self._files:
             try:
@@ -142,6 +158,7 @@ class WorkerLoad:
         # Its own requests counted directly: own_load() would serialise them once more per
         # tick, beside tick()'s own.
         busy = any(n for pool in self.pools for n in pool.router.load.inflight.values())
+        busy = busy or (self.prefixes is not None and self.prefixes.pending)
         if busy or self._own != b"{}" or any(value.get("p") for value in self._theirs.values()):
             return self.interval_s
         return self.idle_interval_s
@@ -157,13 +174,23 @@ class WorkerLoad:
             if not woken.done():
                 woken.set_result(None)
 
+        def catch_up() -> None:
+            # A request about to be routed: the others' latest load and prefixes first.
+            observer.before_route = None
+            try:
+                self.tick()
+            except OSError as exc:
+                log.debug("cannot share load in %s: %s", self.directory, exc)
+            wake()
+
         timer = loop.call_later(pause, wake)
         observer.load_moved = wake
+        observer.before_route = catch_up
         try:
             await woken
         finally:
             timer.cancel()
-            observer.load_moved = None
+            observer.load_moved = observer.before_route = None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -187,3 +214,5 @@ class WorkerLoad:
         """This worker stops: the others stop counting its load at once."""
         with contextlib.suppress(OSError):
             self.path.unlink()
+        if self.prefixes is not None:
+            self.prefixes.close()

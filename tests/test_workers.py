@@ -55,11 +55,11 @@ def gw(sims: Sims, tmp_path) -> Iterator[Gateway]:
     g.stop()
 
 
-def test_workers_without_shared_routing_state_are_told_what_it_costs(gw: Gateway) -> None:
-    # Each worker keeps its own prefix index: near saturation that cost 3.8x the mean TTFT
-    # of one worker (docs/benchmarks.md), which a redis section removes.
-    assert "2 workers and no shared routing state" in gw.log()
-    assert "give them a redis section" in gw.log()
+def test_workers_without_redis_are_not_told_to_share_their_prefixes(gw: Gateway) -> None:
+    # They share them through their directory now (gateway/workerprefixes.py): the warning
+    # that each kept its own prefix index (3.8x one worker's mean TTFT near saturation) went.
+    assert "(2 workers)" in gw.log()
+    assert "no shared routing state" not in gw.log()
 
 
 def stats(gw: Gateway) -> dict:
@@ -374,6 +374,52 @@ def test_each_worker_routes_on_the_others_requests_in_flight_too(gw: Gateway) ->
     assert all(status == 200 for status, _ in results)
 
 
+def test_a_prefix_either_worker_routed_is_in_every_workers_index(gw: Gateway) -> None:
+    """Each worker kept its own prefix index: a conversation's next turn reaching the other
+    worker was routed as a cold prefix (near saturation, 3.8x one worker's mean TTFT). Now
+    each worker's index holds the prefixes every worker routed."""
+    blocks_each = 4  # 1,024 characters: four whole blocks of 256
+    sent = 0
+
+    def both_served() -> bool:
+        nonlocal sent
+        complete(gw, f"{sent:04d} shared-prefix test ".ljust(256 * blocks_each, "x"))
+        sent += 1
+        counts = worker_pids(gw)
+        return len(counts) == WORKERS and all(counts.values())
+
+    poll(both_served, deadline_s=60, interval_s=0)
+    held: dict[int, int] = {}
+
+    def every_worker_holds_all() -> bool:
+        answer = stats(gw)  # a new connection: either worker answers
+        (replica,) = answer["pools"][0]["replicas"]
+        held[answer["worker_pid"]] = replica["index_blocks"]
+        return len(held) == WORKERS and set(held.values()) == {blocks_each * sent}
+
+    poll(every_worker_holds_all, deadline_s=20, interval_s=0.05)
+
+    def shared(direction: str) -> float:
+        text = httpx.get(gw.url + "/metrics", timeout=10).text
+        prefix = f'gateway_shared_state_inserts_total{{direction="{direction}",pool="rt"}}'
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(prefix))
+
+    # Every decision published by one worker and applied by the other (the sums of both).
+    poll(lambda: shared("published") == shared("applied") == sent, deadline_s=20)
+
+    # A worker killed: the supervisor deletes its file (the survivor keeps what it applied).
+    import tempfile
+    roots = {Path("/dev/shm"), Path(tempfile.gettempdir())}
+    files = {p.name: p for root in roots if root.is_dir() for pid in held
+             for p in root.glob(f"prefix-gateway-workers-*/{pid}.prefixes")}
+    assert set(files) == {f"{pid}.prefixes" for pid in held}
+    victim = min(held)
+    os.kill(victim, signal.SIGKILL)
+    poll(lambda: not files[f"{victim}.prefixes"].exists(), deadline_s=15)
+    assert files[f"{max(held)}.prefixes"].exists()
+
+
 def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path) -> None:
     from gateway.config import GatewayConfig
     from gateway.defaults import one_pool_config
@@ -509,6 +555,37 @@ async def test_an_idle_workers_first_request_wakes_its_load_sharing_at_once(
     assert a.observer.load_moved is None
 
 
+async def test_an_idle_workers_first_decision_sees_the_others_latest_prefixes(
+        tmp_path: Path) -> None:
+    """An idle worker looked at the others once a second: its first request after a pause
+    (the next turn of a conversation another worker placed) was routed without what they
+    decided since."""
+    import asyncio
+
+    from gateway.workerload import WorkerLoad
+    from gateway.workerprefixes import WorkerPrefixes
+    from tests.conftest import eventually
+
+    a, b = _load_state(), _load_state()
+    la = WorkerLoad(tmp_path, a, pid=1, prefixes=WorkerPrefixes(tmp_path, a.pools, a.observer,
+                                                                 pid=1))
+    lb = WorkerLoad(tmp_path, b, pid=2, idle_interval_s=3600.0,
+                    prefixes=WorkerPrefixes(tmp_path, b.pools, b.observer, pid=2))
+    task = asyncio.create_task(lb.run())
+    try:
+        await eventually(lambda: b.observer.before_route is not None)
+        a.pools[0].router.record("replica-0", [41, 42, 43], 30.0)
+        la.tick()
+        index = b.pools[0].router.indexes["replica-0"]
+        assert index.match([41, 42, 43]) == 0  # B idles for an hour
+        b.observer.before_route()  # as the gateway does before routing a request
+        assert index.match([41, 42, 43]) == 3
+        assert b.observer.before_route is None and b.observer.load_moved is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_woken_worker_still_ticks_no_sooner_than_an_interval_after_the_last(
         tmp_path: Path) -> None:
     """Each request of a worker at a low rate found it idle again: without a floor it ticked
@@ -573,16 +650,3 @@ def test_the_supervisor_sleeps_until_something_happens() -> None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "timeouts ['None']" in out, out
-
-
-def test_no_word_of_a_per_worker_index_where_workers_share_it_through_redis() -> None:
-    from gateway.cli import workers_banner
-    from gateway.config import parse_config
-    from gateway.defaults import one_pool_config
-
-    raw = one_pool_config(["http://127.0.0.1:1"], 8080)
-    assert workers_banner(parse_config(raw)) is None  # one worker
-    raw["server"]["workers"] = 2
-    assert "no shared routing state" in (workers_banner(parse_config(raw)) or "")
-    raw["redis"] = {"url": "redis://127.0.0.1:6379/0"}
-    assert workers_banner(parse_config(raw)) is None

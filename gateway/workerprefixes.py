@@ -1,0 +1,297 @@
+"""The prefixes each worker of `serve --workers N` routes, and what it learns of the replicas'
+speeds, shared with the other workers through append-only files when no Redis shares routing
+state.
+
+Each worker routes on its own router. Without this, each kept its own prefix index: the
+kernel hands each connection to any worker, so the turns of one conversation reached workers
+that had not placed the earlier ones, and routed them as cold prefixes. Near saturation two
+workers had 3.8x one worker's mean TTFT (docs/benchmarks.md). Each also learned the
+replicas' speeds from only its share of their steps.
+
+At each tick of the workers' shared load (gateway/workerload.py: every 25 ms while any worker
+has requests in flight), each worker:
+
+- appends what it decided since the last tick to `PID.prefixes` in the workers' directory,
+  one JSON line per tick: per pool, `[replica, decided at, hashes, uncached tokens]` for
+  each prefix recorded (the items of the shared routing state's streams), and, at most every
+  `RATES_INTERVAL_S` and when they changed, what it learned of each replica's rates;
+- reads what the other workers appended since it last read (a new worker reads their files
+  from the start: their recent decisions, and the rates they learned), and applies it to its
+  routers as the shared routing state applies other gateways' (`Router.apply_remote_inserts`,
+  `Router.apply_remote_rates`).
+
+A file that grows past `max_bytes` starts again: the worker writes the next line, headed by
+its current rates, to a new file and renames it over the old one. A reader keeps the old file
+open, reads it to its end, then opens the new one: nothing written is missed, unless a
+worker fills a whole file between two reads of another (4 MiB in a tick). A line is read
+only once its newline is there (a reader may see a write half done). The supervisor deletes a
+dead worker's file, and with it what it learned: the workers that remain keep the prefixes
+they applied. On the request's path: one append to a queue, bounded (the oldest dropped and
+counted) in case the ticks stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from backends.pool import Pool
+from gateway.observe import Observer
+from gateway.shared_routing import RATES_INTERVAL_S, encode_rates
+from routing.steps import sum_rates
+
+log = logging.getLogger("prefix_gateway.workers")
+
+SUFFIX = ".prefixes"
+MAX_BYTES = 4 << 20
+"""A worker's file starts again past this size: at 100 requests a second of 16k-token
+prompts, about a minute of decisions (a new worker reads them all at its start)."""
+MAX_QUEUE = 100_000
+"""Decisions kept while no tick writes them (the directory gone): the oldest are dropped."""
+_READ_BYTES = 1 << 20
+
+Queued = tuple[str, str, float, Sequence[int], float]
+"""(pool, replica, decided at (time.time()), block hashes, uncached prompt tokens)."""
+
+
+def prefixes_path(directory: str | Path, pid: int) -> Path:
+    return Path(directory) / f"{pid}{SUFFIX}"
+
+
+@dataclass
+class _Peer:
+    """Another worker's file as this one reads it."""
+
+    fd: int
+    inode: int
+    offset: int = 0
+    partial: bytes = b""
+    """The start of a line whose newline was not written yet."""
+    rates: dict[str, Any] = field(default_factory=dict)
+    """Pool -> what that worker last said it learned of the replicas' rates."""
+
+
+class WorkerPrefixes:
+    """One worker's side of the shared prefixes: appends its own, applies the others'."""
+
+    def __init__(self, directory: str | Path, pools: Sequence[Pool], observer: Observer,
+                 pid: int | None = None, max_bytes: int = MAX_BYTES,
+                 max_queue: int = MAX_QUEUE) -> None:
+        self.directory = Path(directory)
+        self.pools = {pool.name: pool for pool in pools}
+        self.observer = observer
+        self.pid = os.getpid() if pid is None else pid
+        self.path = prefixes_path(self.directory, self.pid)
+        self._path = str(self.path)
+        self._tmp = str(self.directory / f".{self.pid}{SUFFIX}.tmp")
+        self.max_bytes = max_bytes
+        self.max_queue = max_queue
+        self.queue: deque[Queued] = deque()
+        self.started_at = time.time()
+        self._fd: int | None = None
+        self._size = 0
+        self.written_bytes = 0
+        """Appended since it started, over every file."""
+        self._own_rates: dict[str, bytes] = {}
+        """Pool -> what this worker last wrote of the replicas' rates (`encode_rates`)."""
+        self._rates_at = -RATES_INTERVAL_S
+        self._peers: dict[str, _Peer] = {}
+        for pool in pools:
+            pool.router.on_record = self._recorder(pool.name)
+
+    # On the request's path: one append ----------------------------------------------------
+
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
+        queue, cap, now, observer = self.queue, self.max_queue, time.time, self.observer
+
+        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
+            if len(queue) >= cap:
+                observer.shared_inserts(queue.popleft()[0], "dropped", 1)
+            queue.append((pool, replica, now(), hashes, uncached))
+
+        return recorded
+
+    @property
+    def pending(self) -> bool:
+        """Decisions wait to be written."""
+        return bool(self.queue)
+
+    # Writing ------------------------------------------------------------------------------
+
+    def write(self) -> None:
+        """Append the decisions queued since the last write, and the rates if due and
+        changed: one line, none when there is nothing new."""
+        line: dict[str, Any] = {}
+        written: dict[str, int] = {}
+        if self.queue:
+            batch = list(self.queue)
+            self.queue.clear()
+            pools: dict[str, list[tuple[Any, ...]]] = {}
+            for item in batch:
+                pools.setdefault(item[0], []).append(item[1:])
+            line["d"] = pools
+            written = {name: len(items) for name, items in pools.items()}
+        rates = self._rates_due()
+        if rates:
+            line["s"] = rates
+        if not line:
+            return
+        data = orjson.dumps(line, default=list) + b"\n"
+        if self._fd is None or self._size + len(data) > self.max_bytes:
+            self._start_file(data)
+        else:
+            self._append(data)
+        for name, count in written.items():
+            self.observer.shared_inserts(name, "published", count)
+
+    def _rates_due(self) -> dict[str, Any]:
+        """Each pool's rates that changed since last written, at most every
+        `RATES_INTERVAL_S`."""
+        now = time.monotonic()
+        if now - self._rates_at < RATES_INTERVAL_S:
+            return {}
+        self._rates_at = now
+        changed: dict[str, Any] = {}
+        for name, pool in self.pools.items():
+            learned = encode_rates(pool.router)
+            if learned != self._own_rates.get(name, b"{}"):
+                self._own_rates[name] = learned
+                changed[name] = orjson.Fragment(learned)
+        return changed
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:  # a regular file takes it whole but for a full disk, which raises
+            view = view[os.write(self._fd, view):]
+        self._size += len(data)
+        self.written_bytes += len(data)
+
+    def _start_file(self, data: bytes) -> None:
+        """Write `data` to a new file headed by every pool's rates, and put it in place of
+        the old one (readers finish the old one first: they hold it open)."""
+        head = b""
+        if self._own_rates:
+            head = orjson.dumps({"s": {name: orjson.Fragment(rates)
+                                       for name, rates in self._own_rates.items()}}) + b"\n"
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        old, self._fd, self._size = self._fd, fd, 0
+        try:
+            self._append(head + data)
+            os.replace(self._tmp, self._path)
+        except OSError:
+            os.close(fd)
+            self._fd = old
+            raise
+        if old is not None:
+            os.close(old)
+
+    # Reading ------------------------------------------------------------------------------
+
+    def read(self, files: Sequence[str]) -> None:
+        """Apply what the workers writing `files` (the other workers' files now listed)
+        appended since the last read; forget those whose file is gone."""
+        rates_changed = False
+        for path in set(self._peers) - set(files):
+            self._forget(path)
+            rates_changed = True
+        for path in files:
+            try:
+                inode, size = self._stat(path)
+            except FileNotFoundError:  # that worker left: its file goes with it
+                if path in self._peers:
+                    self._forget(path)
+                    rates_changed = True
+                continue
+            peer = self._peers.get(path)
+            if peer is not None and peer.inode == inode and peer.offset >= size:
+                continue
+            try:
+                if peer is not None and peer.inode != inode:
+                    # It started a new file: the rest of the old one first.
+                    rates_changed |= self._drain(peer)
+                    self._forget(path)
+                    peer = self._open(path, peer.rates)
+                elif peer is None:
+                    peer = self._open(path, {})
+                rates_changed |= self._drain(peer)
+            except FileNotFoundError:  # it left as its file was started again
+                rates_changed = True
+                continue
+        if rates_changed:
+            for name, pool in self.pools.items():
+                pool.router.apply_remote_rates(sum_rates(
+                    peer.rates[name] for peer in self._peers.values() if name in peer.rates))
+
+    @staticmethod
+    def _stat(path: str) -> tuple[int, int]:
+        st = os.stat(path)
+        return st.st_ino, st.st_size
+
+    def _open(self, path: str, rates: dict[str, Any]) -> _Peer:
+        fd = os.open(path, os.O_RDONLY)
+        peer = self._peers[path] = _Peer(fd, os.fstat(fd).st_ino, rates=rates)
+        return peer
+
+    def _forget(self, path: str) -> None:
+        peer = self._peers.pop(path)
+        with contextlib.suppress(OSError):
+            os.close(peer.fd)
+
+    def _drain(self, peer: _Peer) -> bool:
+        """Apply the whole lines added to `peer`'s file; whether its rates changed."""
+        chunks = [peer.partial]
+        while chunk := os.read(peer.fd, _READ_BYTES):
+            chunks.append(chunk)
+            peer.offset += len(chunk)
+        data = b"".join(chunks)
+        end = data.rfind(b"\n") + 1
+        peer.partial = data[end:]
+        rates_changed = False
+        for line in data[:end].splitlines():
+            try:
+                entry = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:  # not written by a worker of this version
+                log.debug("unreadable line in a worker's prefixes: %s", exc)
+                continue
+            if "d" in entry:
+                self._apply(entry["d"])
+            if "s" in entry:
+                peer.rates.update(entry["s"])
+                rates_changed = True
+        return rates_changed
+
+    def _apply(self, pools: dict[str, list[list[Any]]]) -> None:
+        now = time.time()
+        for name, items in pools.items():
+            pool = self.pools.get(name)
+            if pool is None:
+                continue
+            applied = pool.router.apply_remote_inserts(
+                (item[0], item[2], item[3]) for item in items)
+            self.observer.shared_inserts(name, "applied", applied)
+            for item in items:
+                if item[1] >= self.started_at:  # not what was decided before this one began
+                    self.observer.shared_lag(name, max(0.0, now - item[1]))
+
+    # Stopping -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """This worker stops: its file goes (what the others applied stays with them)."""
+        for path in list(self._peers):
+            self._forget(path)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            self.path.unlink()

@@ -1,0 +1,171 @@
+"""The prefixes and rates the workers of `serve --workers N` share through files when no Redis
+shares routing state (gateway/workerprefixes.py), on real files, in process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.defaults import one_pool_config
+from gateway.state import GatewayState
+from gateway.workerload import WorkerLoad
+from gateway.workerprefixes import WorkerPrefixes, prefixes_path
+from routing.steps import POOL_RATE_KEY
+
+
+def state() -> GatewayState:
+    return GatewayState(GatewayConfig.model_validate(one_pool_config(
+        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+
+
+def worker(tmp_path: Path, pid: int, **kw) -> tuple[GatewayState, WorkerPrefixes]:
+    s = state()
+    return s, WorkerPrefixes(tmp_path, s.pools, s.observer, pid=pid, **kw)
+
+
+def held(s: GatewayState, replica: str, hashes: list[int]) -> int:
+    return s.pools[0].router.indexes[replica].match(hashes)
+
+
+def counted(s: GatewayState, direction: str) -> float:
+    return s.metrics.shared_inserts.values.get(("default", direction), 0)
+
+
+def peers(directory: Path, own: WorkerPrefixes) -> list[str]:
+    return [str(p) for p in directory.glob("*.prefixes") if p != own.path]
+
+
+def test_a_prefix_one_worker_routes_is_held_by_the_others(tmp_path: Path) -> None:
+    """Each worker kept its own prefix index: a conversation's next turn reaching another
+    worker was routed as a cold prefix (3.8x one worker's mean TTFT near saturation)."""
+    a, wa = worker(tmp_path, 1)
+    b, wb = worker(tmp_path, 2)
+    c, wc = worker(tmp_path, 3)
+    a.pools[0].router.record("replica-1", [11, 12, 13], 300.0)
+    b.pools[0].router.record("replica-0", [21, 22], 200.0)
+    assert held(b, "replica-1", [11, 12, 13]) == 0
+    for w in (wa, wb, wc):
+        w.write()
+    for w in (wa, wb, wc):
+        w.read(peers(tmp_path, w))
+    assert held(b, "replica-1", [11, 12, 13]) == 3
+    assert held(c, "replica-1", [11, 12, 13]) == 3 and held(c, "replica-0", [21, 22]) == 2
+    assert held(a, "replica-0", [21, 22]) == 2
+    assert held(a, "replica-1", [21, 22]) == 0  # where it went, not elsewhere
+    # Counted as the shared routing state counts them, on each side.
+    assert counted(a, "published") == 1 and counted(c, "applied") == 2
+    # Read once: nothing is applied twice.
+    wc.read(peers(tmp_path, wc))
+    assert counted(c, "applied") == 2
+
+
+def test_a_worker_started_later_reads_what_the_others_decided(tmp_path: Path) -> None:
+    a, wa = worker(tmp_path, 1)
+    for i in range(5):
+        a.pools[0].router.record("replica-0", [100 + i, 200 + i], 10.0)
+        wa.write()
+    late, wl = worker(tmp_path, 2)
+    wl.read(peers(tmp_path, wl))
+    assert all(held(late, "replica-0", [100 + i, 200 + i]) == 2 for i in range(5))
+    # Decided before it began: not observed as the sharing's lag.
+    assert late.metrics.shared_lag.rows == {}
+
+
+def test_a_file_started_again_loses_nothing(tmp_path: Path) -> None:
+    """Past `max_bytes` a worker starts a new file; a reader finishes the old one first."""
+    a, wa = worker(tmp_path, 1, max_bytes=200)
+    b, wb = worker(tmp_path, 2)
+    started, size = 0, 0
+    for i in range(40):
+        a.pools[0].router.record("replica-1", [1000 + i, 2000 + i, 3000 + i], 5.0)
+        wa.write()
+        started += os.path.getsize(wa.path) < size
+        size = os.path.getsize(wa.path)
+        if i % 2:  # the reader reads every other write, across the new files
+            wb.read(peers(tmp_path, wb))
+    wb.read(peers(tmp_path, wb))
+    assert started > 10  # the file was started again, many times
+    assert os.path.getsize(wa.path) <= 200
+    assert all(held(b, "replica-1", [1000 + i, 2000 + i, 3000 + i]) == 3 for i in range(40))
+    assert counted(b, "applied") == 40
+    assert len(os.listdir(tmp_path)) == 1  # no temporary file left behind
+
+
+def test_a_line_half_written_waits_for_its_end(tmp_path: Path) -> None:
+    b, wb = worker(tmp_path, 2)
+    path = prefixes_path(tmp_path, 1)
+    line = b'{"d":{"default":[["replica-0",1.0,[7,8,9],0.0]]}}\n'
+    path.write_bytes(line[:20])
+    wb.read([str(path)])
+    assert held(b, "replica-0", [7, 8, 9]) == 0
+    with path.open("ab") as f:
+        f.write(line[20:])
+    wb.read([str(path)])
+    assert held(b, "replica-0", [7, 8, 9]) == 3
+    # A line it cannot read (a worker of another version, a torn file) is skipped.
+    with path.open("ab") as f:
+        f.write(b"not json\n" + line.replace(b"[7,8,9]", b"[4,5]"))
+    wb.read([str(path)])
+    assert held(b, "replica-0", [4, 5]) == 2
+
+
+def test_rates_are_shared_and_go_with_the_worker_that_learned_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker saw only its share of a replica's steps: alone, each took N times as long
+    to learn a slow replica's speed."""
+    a, wa = worker(tmp_path, 1)
+    b, wb = worker(tmp_path, 2)
+    learned = {"replica-1": [1000.0, 2.0, 40, 40, 0.0, 0.0, 0],
+               POOL_RATE_KEY: [9000.0, 3.0, 50, 0, 0.0, 0.0, 0]}
+    monkeypatch.setattr(a.pools[0].router, "own_rates", lambda: learned)
+    wa.write()
+    wb.read(peers(tmp_path, wb))
+    steps = b.pools[0].router.load.steps
+    assert steps._remote_rates == {"replica-1": (1000.0, 2.0, 40, 40, 0.0, 0.0, 0)}
+    assert steps._remote_pool == (9000.0, 3.0, 50)
+    # Unchanged, not written again; a new file starts with them (a reader opening it late
+    # still learns them).
+    size = os.path.getsize(wa.path)
+    wa._rates_at = -1.0
+    wa.write()
+    assert os.path.getsize(wa.path) == size
+    wa.max_bytes = size
+    a.pools[0].router.record("replica-0", [5], 1.0)
+    wa.write()
+    late, wl = worker(tmp_path, 3)
+    wl.read(peers(tmp_path, wl))
+    assert late.pools[0].router.load.steps._remote_rates == steps._remote_rates
+    assert held(late, "replica-0", [5]) == 1
+    # A worker that stops takes its file with it: what it learned no longer counts.
+    wa.close()
+    assert not wa.path.exists()
+    wb.read(peers(tmp_path, wb))
+    assert steps._remote_rates == {} and steps._remote_pool is None
+    assert held(b, "replica-1", []) == 0
+
+
+def test_decisions_queued_while_nothing_writes_them_are_bounded(tmp_path: Path) -> None:
+    a, wa = worker(tmp_path, 1, max_queue=3)
+    for i in range(5):
+        a.pools[0].router.record("replica-0", [i], 1.0)
+    assert len(wa.queue) == 3 and counted(a, "dropped") == 2
+    wa.write()
+    assert not wa.pending
+
+
+def test_the_workers_load_ticks_write_and_read_the_prefixes(tmp_path: Path) -> None:
+    a, b = state(), state()
+    la = WorkerLoad(tmp_path, a, pid=1, prefixes=WorkerPrefixes(tmp_path, a.pools, a.observer,
+                                                                 pid=1))
+    lb = WorkerLoad(tmp_path, b, pid=2, prefixes=WorkerPrefixes(tmp_path, b.pools, b.observer,
+                                                                 pid=2))
+    a.pools[0].router.record("replica-1", [31, 32], 50.0)
+    assert la.pause_s() == la.interval_s  # a decision to write: busy
+    la.tick(1000.0)
+    lb.tick(1000.0)
+    assert held(b, "replica-1", [31, 32]) == 2
+    la.remove()
+    assert not prefixes_path(tmp_path, 1).exists()
