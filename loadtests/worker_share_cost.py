@@ -67,9 +67,10 @@ def measure(rate: float, blocks: int, ticks: int, replicas: int) -> dict[str, fl
             cpu_a += t1 - t0
             cpu_b += t2 - t1
         written = la.prefixes.written_bytes if la.prefixes else 0
+        applied = b.metrics.shared_inserts.values.get(("default", "applied"), 0.0)
         la.remove()
         lb.remove()
-    return {"ticks": ticks, "decisions": decisions,
+    return {"ticks": ticks, "decisions": decisions, "applied": applied,
             "writer_us_per_tick": cpu_a / ticks / 1e3, "reader_us_per_tick": cpu_b / ticks / 1e3,
             "writer_us_per_decision": cpu_a / max(decisions, 1) / 1e3,
             "reader_us_per_decision": cpu_b / max(decisions, 1) / 1e3,

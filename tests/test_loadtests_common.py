@@ -251,3 +251,18 @@ def test_count_read_cost_reads_a_replica_and_its_server_cpu(tmp_path, capsys) ->
     for row in ("gateway: full parse (a scrape) ms", "gateway: first-token scan (between "
                 "scrapes) ms"):
         assert float(rows[row]) > 0.0
+
+
+def test_worker_share_cost_times_both_sides_and_every_decision_crosses(capsys) -> None:
+    from loadtests import worker_share_cost
+
+    small = worker_share_cost.measure(100.0, 4, 40, 4)
+    big = worker_share_cost.measure(100.0, 64, 40, 4)
+    assert small["decisions"] == 100  # 40 ticks of 25 ms at 100 a second
+    assert small["applied"] == small["decisions"] == big["applied"]
+    assert big["bytes_per_decision"] > 4 * small["bytes_per_decision"]
+    assert small["writer_us_per_tick"] > 0 and small["reader_us_per_tick"] > 0
+    worker_share_cost.main(["--blocks", "8", "--ticks", "20", "--replicas", "2"])
+    out = capsys.readouterr().out
+    assert "100 decisions/s, 2 replicas, 20 ticks of 25 ms" in out
+    assert out.splitlines()[-1].startswith("| 8 | ")
