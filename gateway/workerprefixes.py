@@ -53,8 +53,9 @@ log = logging.getLogger("prefix_gateway.workers")
 
 SUFFIX = ".prefixes"
 MAX_BYTES = 4 << 20
-"""A worker's file starts again past this size: at 100 requests a second of 16k-token
-prompts, about a minute of decisions (a new worker reads them all at its start)."""
+"""A worker's file starts again past this size. At 100 decisions a second that is about 8 s
+of them for prompts of 256 blocks (5 kB a decision), 2 minutes for 16 blocks: what a new
+worker reads at its start (docs/benchmarks.md, worker_share_cost)."""
 MAX_QUEUE = 100_000
 """Decisions kept while no tick writes them (the directory gone): the oldest are dropped."""
 _READ_BYTES = 1 << 20
@@ -146,10 +147,15 @@ class WorkerPrefixes:
         if not line:
             return
         data = orjson.dumps(line, default=list) + b"\n"
-        if self._fd is None or self._size + len(data) > self.max_bytes:
-            self._start_file(data)
-        else:
-            self._append(data)
+        try:
+            if self._fd is None or self._size + len(data) > self.max_bytes:
+                self._start_file(data)
+            else:
+                self._append(data)
+        except OSError:
+            for name, count in written.items():
+                self.observer.shared_inserts(name, "dropped", count)
+            raise
         for name, count in written.items():
             self.observer.shared_inserts(name, "published", count)
 

@@ -169,3 +169,14 @@ def test_the_workers_load_ticks_write_and_read_the_prefixes(tmp_path: Path) -> N
     assert held(b, "replica-1", [31, 32]) == 2
     la.remove()
     assert not prefixes_path(tmp_path, 1).exists()
+
+
+def test_decisions_that_cannot_be_written_are_counted_dropped(tmp_path: Path) -> None:
+    directory = tmp_path / "workers"
+    directory.mkdir()
+    a, wa = worker(directory, 1)
+    a.pools[0].router.record("replica-0", [1, 2], 1.0)
+    directory.rmdir()  # the gateway is stopping: the directory went first
+    with pytest.raises(OSError):
+        wa.write()
+    assert counted(a, "dropped") == 1 and counted(a, "published") == 0
