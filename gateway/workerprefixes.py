@@ -190,13 +190,14 @@ class WorkerPrefixes:
             head = orjson.dumps({"s": {name: orjson.Fragment(rates)
                                        for name, rates in self._own_rates.items()}}) + b"\n"
         fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        old, self._fd, self._size = self._fd, fd, 0
+        old, old_size = self._fd, self._size
+        self._fd, self._size = fd, 0
         try:
             self._append(head + data)
             os.replace(self._tmp, self._path)
         except OSError:
             os.close(fd)
-            self._fd = old
+            self._fd, self._size = old, old_size
             raise
         if old is not None:
             os.close(old)
