@@ -128,6 +128,32 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def by_pool(batch: Sequence[Insert]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), the
+    queued tuples' tails as they are (orjson writes tuples as arrays). Gateways write them to
+    Redis, workers without it to their files (gateway/workerprefixes.py)."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for item in batch:
+        out.setdefault(item[0], []).append(item[1:])
+    return out
+
+
+def apply_inserts(router: Router, observer: Observer, pool: str, items: Sequence[Any],
+                  lag_since: float | None) -> None:
+    """Record in `router` the inserts another gateway (or worker) wrote, as `by_pool` gives
+    them, and count them; with `lag_since`, observe the lag of those decided since then."""
+    # No uncached tokens: an older gateway's entry.
+    applied = router.apply_remote_inserts(
+        (item[0], item[2], item[3] if len(item) > 3 else 0.0) for item in items)
+    observer.shared_inserts(pool, "applied", applied)
+    if lag_since is None:
+        return
+    now = time.time()
+    for item in items:
+        if item[1] >= lag_since:  # not what was decided before this one began
+            observer.shared_lag(pool, max(0.0, now - item[1]))
+
+
 class SharedRouting:
     """This gateway's side of the shared routing state (built with a `redis` section whose
     `shared_routing.enabled` is on)."""
@@ -355,7 +381,7 @@ class SharedRouting:
         self.queue.clear()
         republish = self._due_republish()
         trim = ("MAXLEN", "~", s.stream_max_entries)
-        pools = self._by_pool(batch)
+        pools = by_pool(batch)
         loads: dict[str, bytes] = {}
         # With inserts, the load too: the requests just decided are in flight, and the other
         # gateways see them as soon as they see the decisions.
@@ -531,15 +557,6 @@ class SharedRouting:
                 raise reply
         return replies
 
-    @staticmethod
-    def _by_pool(batch: list[Insert]) -> dict[str, list[tuple[Any, ...]]]:
-        """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens),
-        the queued tuples' tails as they are (orjson writes tuples as arrays)."""
-        out: dict[str, list[tuple[Any, ...]]] = {}
-        for item in batch:
-            out.setdefault(item[0], []).append(item[1:])
-        return out
-
     def _requeue(self, batch: list[Insert]) -> None:
         """Put unwritten inserts back before those queued since, keeping the newest."""
         queue = self.queue
@@ -575,8 +592,6 @@ class SharedRouting:
         load_changed = rates_changed = False
         self.last_ids[stream.decode()] = entries[-1][0].decode()
         router = self.pools[pool_name].router
-        now = time.time()
-        observe = self.observer.shared_lag
         for _, raw in entries:
             fields = _pairs(raw)
             if b"q" in fields:  # a peer missed entries: publish ours again
@@ -593,17 +608,9 @@ class SharedRouting:
                 load_changed = True
             if b"d" not in fields:
                 continue
-            items = orjson.loads(fields[b"d"])
-            # [replica, decided at, hashes, uncached tokens] (no uncached: an older gateway's)
-            applied = router.apply_remote_inserts(
-                (item[0], item[2], item[3] if len(item) > 3 else 0.0) for item in items)
-            self.observer.shared_inserts(pool_name, "applied", applied)
-            if b"r" in fields:
-                continue  # published again: its lag is the outage's, not the sharing's
-            for item in items:
-                at = item[1]
-                if at >= self.started_at:  # not what was decided before this gateway began
-                    observe(pool_name, max(0.0, now - at))
+            # Published again (b"r"): its lag is the outage's, not the sharing's.
+            apply_inserts(router, self.observer, pool_name, orjson.loads(fields[b"d"]),
+                          None if b"r" in fields else self.started_at)
         if rates_changed:
             router.apply_remote_rates(sum_rates(self._rates[pool_name].values()))
         return pool_name if load_changed else None

@@ -46,7 +46,13 @@ import orjson
 
 from backends.pool import Pool
 from gateway.observe import Observer
-from gateway.shared_routing import RATES_INTERVAL_S, encode_rates
+from gateway.shared_routing import (
+    RATES_INTERVAL_S,
+    Insert,
+    apply_inserts,
+    by_pool,
+    encode_rates,
+)
 from routing.steps import sum_rates
 
 log = logging.getLogger("prefix_gateway.workers")
@@ -59,10 +65,6 @@ worker reads at its start (docs/benchmarks.md, worker_share_cost)."""
 MAX_QUEUE = 100_000
 """Decisions kept while no tick writes them (the directory gone): the oldest are dropped."""
 _READ_BYTES = 1 << 20
-
-Queued = tuple[str, str, float, Sequence[int], float]
-"""(pool, replica, decided at (time.time()), block hashes, uncached prompt tokens)."""
-
 
 def prefixes_path(directory: str | Path, pid: int) -> Path:
     return Path(directory) / f"{pid}{SUFFIX}"
@@ -96,7 +98,7 @@ class WorkerPrefixes:
         self._tmp = str(self.directory / f".{self.pid}{SUFFIX}.tmp")
         self.max_bytes = max_bytes
         self.max_queue = max_queue
-        self.queue: deque[Queued] = deque()
+        self.queue: deque[Insert] = deque()
         self.started_at = time.time()
         self._fd: int | None = None
         self._size = 0
@@ -134,11 +136,8 @@ class WorkerPrefixes:
         line: dict[str, Any] = {}
         written: dict[str, int] = {}
         if self.queue:
-            batch = list(self.queue)
+            pools = by_pool(self.queue)
             self.queue.clear()
-            pools: dict[str, list[tuple[Any, ...]]] = {}
-            for item in batch:
-                pools.setdefault(item[0], []).append(item[1:])
             line["d"] = pools
             written = {name: len(items) for name, items in pools.items()}
         rates = self._rates_due()
@@ -213,7 +212,8 @@ class WorkerPrefixes:
             rates_changed = True
         for path in files:
             try:
-                inode, size = self._stat(path)
+                st = os.stat(path)
+                inode, size = st.st_ino, st.st_size
             except FileNotFoundError:  # that worker left: its file goes with it
                 if path in self._peers:
                     self._forget(path)
@@ -238,11 +238,6 @@ class WorkerPrefixes:
             for name, pool in self.pools.items():
                 pool.router.apply_remote_rates(sum_rates(
                     peer.rates[name] for peer in self._peers.values() if name in peer.rates))
-
-    @staticmethod
-    def _stat(path: str) -> tuple[int, int]:
-        st = os.stat(path)
-        return st.st_ino, st.st_size
 
     def _open(self, path: str, rates: dict[str, Any]) -> _Peer:
         fd = os.open(path, os.O_RDONLY)
@@ -278,17 +273,10 @@ class WorkerPrefixes:
         return rates_changed
 
     def _apply(self, pools: dict[str, list[list[Any]]]) -> None:
-        now = time.time()
         for name, items in pools.items():
             pool = self.pools.get(name)
-            if pool is None:
-                continue
-            applied = pool.router.apply_remote_inserts(
-                (item[0], item[2], item[3]) for item in items)
-            self.observer.shared_inserts(name, "applied", applied)
-            for item in items:
-                if item[1] >= self.started_at:  # not what was decided before this one began
-                    self.observer.shared_lag(name, max(0.0, now - item[1]))
+            if pool is not None:
+                apply_inserts(pool.router, self.observer, name, items, self.started_at)
 
     # Stopping -----------------------------------------------------------------------------
 

@@ -161,7 +161,7 @@ class Gateways:
                 if learned != w.last_rates:
                     rates = w.last_rates = learned
         if batch or load is not None or rates is not None:
-            # As SharedRouting._by_pool writes them: [replica, decided at, hashes, uncached].
+            # As shared_routing.by_pool writes them: [replica, decided at, hashes, uncached].
             inserts = orjson.dumps([(rep, t, h, u) for rep, h, u in batch]) if batch else None
             self._messages.append(_Message(t + s.delay_s, g, inserts, load, rates))
         w.sleep_end = t + s.flush_interval_s

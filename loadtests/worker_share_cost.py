@@ -35,8 +35,8 @@ def _state(replicas: int) -> GatewayState:
 def measure(rate: float, blocks: int, ticks: int, replicas: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(dir=shared_dir()) as directory:
         a, b = _state(replicas), _state(replicas)
-        la = WorkerLoad(directory, a, pid=1,
-                        prefixes=WorkerPrefixes(directory, a.pools, a.observer, pid=1))
+        writer = WorkerPrefixes(directory, a.pools, a.observer, pid=1)
+        la = WorkerLoad(directory, a, pid=1, prefixes=writer)
         lb = WorkerLoad(directory, b, pid=2,
                         prefixes=WorkerPrefixes(directory, b.pools, b.observer, pid=2))
         router = a.pools[0].router
@@ -66,7 +66,7 @@ def measure(rate: float, blocks: int, ticks: int, replicas: int) -> dict[str, fl
             t2 = time.process_time_ns()
             cpu_a += t1 - t0
             cpu_b += t2 - t1
-        written = la.prefixes.written_bytes if la.prefixes else 0
+        written = writer.written_bytes
         applied = b.metrics.shared_inserts.values.get(("default", "applied"), 0.0)
         la.remove()
         lb.remove()
