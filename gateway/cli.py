@@ -364,7 +364,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     engines: list = []
     try:
         if args.engine == "sim":
-            ports = processes.free_ports(n_rt + n_bt)
+            # Not the gateway's own port, which it binds only after the replicas are up.
+            ports = processes.free_ports(n_rt + n_bt, avoid=[args.port])
             kinds = ["vllm"] * n_rt + ["trtllm"] * n_bt
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for i, (port, kind) in enumerate(zip(ports, kinds, strict=True)):

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +32,20 @@ def _die_with_parent() -> None:
 die_with_parent = _die_with_parent
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> list[int]:
+    """`n` distinct ports free now, none of them in `avoid` (ports chosen for other processes
+    that have not bound them yet: the kernel may hand out a port again until it is bound)."""
     socks = []
+    avoid = set(avoid)
+    ports: list[int] = []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             s = socket.socket()
             s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            socks.append(s)  # held until the end, so that no port comes back twice
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
     finally:
         for s in socks:
             s.close()

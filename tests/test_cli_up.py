@@ -96,3 +96,26 @@ def test_ports_chosen_for_a_late_bind_are_free_and_below_the_ephemeral_range() -
         for port in range(base, base + 3):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
+
+
+def test_ports_for_the_replicas_are_never_the_gateways(monkeypatch) -> None:
+    # `up` picks its simulated replicas' ports while its own port (the test's pick, or the
+    # user's) is not bound yet, and the kernel may hand that port out again: a replica once
+    # took the gateway's port, which then failed to start ("Address already in use").
+    handed_out = iter([7001, 7002, 7003, 7004])
+
+    class Scripted:
+        def __init__(self) -> None:
+            self.port = next(handed_out)
+
+        def bind(self, address: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(processes.socket, "socket", Scripted)
+    assert processes.free_ports(2, avoid=[7001, 7003]) == [7002, 7004]
