@@ -33,19 +33,22 @@ class EngineSpeeds:
     engine's prefill rate.
 
     A request's prefill time includes the other requests prefilled or decoded in the same
-    steps, so the rate errs low on a busy engine: the time counted is capped at the wall time
-    between the scrapes (an engine cannot prefill for longer than that), which bounds the
-    error where several prefills overlap, and below the cap equal engines at equal load err
-    alike. It is the coarser signal, used only where the gateway's own timing is blind to
-    much of the work (`LoadTracker.speed`).
+    steps, so the rate errs low on a busy engine. Where several prefills overlap, the time
+    counted is capped at the wall time they can have covered that earlier scrapes did not
+    (`_busy`), which bounds the error; below the cap equal engines at equal load err alike.
+    It is the coarser signal, used only where the gateway's own timing is blind to much of
+    the work (`LoadTracker.speed`).
     """
 
-    __slots__ = ("_last", "_sums", "enabled", "speeds")
+    __slots__ = ("_covered", "_last", "_sums", "enabled", "speeds")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._last: dict[str, tuple[float, float, float, float]] = {}
         """Replica -> its last scrape: (when, computed tokens, prefill seconds, prefills)."""
+        self._covered: dict[str, float] = {}
+        """Replica -> when the last scrape that counted prefills (or the first scrape) was
+        taken: wall time before it is counted already, or not known to be busy."""
         self._sums: dict[str, tuple[float, float, float]] = {}
         """Replica -> decayed sums since it was first scraped: (tokens, seconds, prefills)."""
         self.speeds: dict[str, float] = {}
@@ -62,6 +65,7 @@ class EngineSpeeds:
         last = self._last.get(replica)
         self._last[replica] = (now, computed_tokens, prefill_seconds, prefills)
         if last is None:
+            self._covered[replica] = now  # what came before the first scrape is not known
             return
         t0, tokens0, seconds0, count0 = last
         d_tokens, d_seconds, d_count = (computed_tokens - tokens0, prefill_seconds - seconds0,
@@ -69,18 +73,33 @@ class EngineSpeeds:
         if d_seconds < 0.0 or d_count < 0.0:
             # The histogram went backwards: the engine restarted. Its rate is learned again.
             self._sums.pop(replica, None)
+            self._covered[replica] = now
             self.speeds = self._work_out_speeds()
             return
         if d_count <= 0.0 or d_seconds <= 0.0 or d_tokens < 0.0:
             # Nothing to learn; or tokens derived from two counters an engine moves at
             # different moments (prompt tokens less cache hits) that dipped between scrapes.
             return
-        busy = min(d_seconds, now - t0) if now > t0 else d_seconds
+        busy = self._busy(replica, t0, now, d_seconds, d_count)
         tokens, seconds, count = self._sums.get(replica, (0.0, 0.0, 0.0))
         keep = (1.0 - 1.0 / ENGINE_DECAY_PREFILLS) ** d_count
         self._sums[replica] = (tokens * keep + d_tokens, seconds * keep + busy,
                                count * keep + d_count)
         self.speeds = self._work_out_speeds()
+
+    def _busy(self, replica: str, t0: float, now: float, seconds: float, count: float) -> float:
+        """The seconds of prefill to count for `count` prefills that ended between the scrapes
+        at `t0` and `now` and took `seconds` in all: at most the wall time they can have
+        covered that an earlier scrape did not count.
+
+        Each began at most its own length before it ended; taking the mean length for it,
+        none began before `t0` less that mean, nor is time before the last scrape that counted
+        prefills new. Capped at the time between scrapes alone, one prefill longer than that
+        (a long prompt, or a slow engine: 7 s for 700 tokens on a CPU without bfloat16) was
+        counted as that short, and its rate read tens of times too high."""
+        start = max(t0 - seconds / count, self._covered.get(replica, t0))
+        self._covered[replica] = now
+        return min(seconds, now - start) if now > start else seconds
 
     def rate(self, replica: str) -> float | None:
         """The replica's computed prompt tokens per second of prefill, once known."""
@@ -96,6 +115,7 @@ class EngineSpeeds:
     def forget(self, replica: str) -> None:
         self._last.pop(replica, None)
         self._sums.pop(replica, None)
+        self._covered.pop(replica, None)
         self.speeds = self._work_out_speeds()
 
     def _work_out_speeds(self) -> dict[str, float]:

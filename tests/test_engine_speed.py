@@ -49,6 +49,25 @@ def test_overlapping_prefills_count_no_more_than_the_time_between_scrapes() -> N
     assert speeds.rate("r0") == pytest.approx(10_000.0)
 
 
+def test_a_prefill_longer_than_the_time_between_scrapes_counts_whole() -> None:
+    # One 700-token prefill at a time, each taking 7 s, scraped every 0.25 s: each shows in
+    # one scrape with its 7 s (a slow engine, or a long prompt). Capped at 0.25 s it read 28
+    # times the engine's rate.
+    speeds = EngineSpeeds()
+    tokens = seconds = count = 0.0
+    for k in range(1, 30 * 28 + 1):
+        if k % 28 == 0:
+            tokens, seconds, count = tokens + 700.0, seconds + 7.0, count + 1.0
+        speeds.report("r0", 0.25 * k, tokens, seconds, count)
+    assert speeds.rate("r0") == pytest.approx(100.0, rel=0.02)
+    # The same prefills 28 at a time, one ending at every scrape: the engine prefills 700
+    # tokens per 0.25 s, though each request's own prefill lasted 7 s.
+    side_by_side = EngineSpeeds()
+    for k in range(1, 40):
+        side_by_side.report("r0", 0.25 * k, 700.0 * k, 7.0 * k, float(k))
+    assert side_by_side.rate("r0") == pytest.approx(2800.0, rel=0.02)
+
+
 def test_counters_going_backwards_start_the_rate_again() -> None:
     speeds = EngineSpeeds()
     _serve(speeds, {"r0": 30_000.0, "r1": 10_000.0, "r2": 30_000.0})

@@ -197,7 +197,9 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
     assert engine_rate / 10 < pool["prefill_tokens_per_s"] < engine_rate * 10, (pool, engine_rate)
     # The engine's rate as the gateway reads it from the same metrics, scrape by scrape
     # (routing/engine_speed.py): the same figure, but for older scrapes weighing a little less
-    # and the seconds of a scrape interval capped at its length (which can only raise it).
+    # and the seconds of a scrape capped at the wall time its prefills can have covered (which
+    # can only raise it; capped at the time between scrapes, a prefill longer than that, as on
+    # a CPU without bfloat16, read 20 times the engine's rate).
     read = pool["replicas"][0]["engine_prefill_tokens_per_s"]
     assert engine_rate / 2 < read < engine_rate * 2, (read, engine_rate)
 
