@@ -75,6 +75,10 @@ def build_admin(state: GatewayState, batch: BatchService | None = None,
             if state.shared is None:  # no Redis shares the load: the workers share theirs
                 loads = WorkerLoad(view.directory, state, prefixes=WorkerPrefixes(
                     view.directory, state.pools, state.observer))
+                # Before serving: the others' prefixes, a dead worker's that this one
+                # replaces among them, are in its index for its first decision.
+                with contextlib.suppress(OSError):
+                    loads.tick()
                 loads_task = asyncio.create_task(loads.run())
         # Everything allocated so far (FastAPI, pydantic, prometheus, routing tables) lives for
         # the whole process: keep it out of the collector's full passes, which otherwise walk

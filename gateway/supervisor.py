@@ -16,7 +16,9 @@ The workers share what /metrics and /admin/stats show through files in a private
 on a memory filesystem when there is one (`shared_dir`; gateway/workerview.py); the
 supervisor renames a dead worker's file `retired-PID` so that its counts stay in the sums.
 Without Redis they share their load per replica there too (gateway/workerload.py), and
-the prefixes they route (gateway/workerprefixes.py); the supervisor deletes a dead worker's.
+the prefixes they route (gateway/workerprefixes.py). The supervisor deletes a dead worker's
+load, and renames its prefixes `PID.prefixes-retired` for its replacement to read before it
+serves; those go once every worker serves.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from gateway.processes import die_with_parent
 from gateway.workerload import load_path
-from gateway.workerprefixes import prefixes_path
+from gateway.workerprefixes import RETIRED_SUFFIX, prefixes_path, retired_path
 from gateway.workerview import RETIRED
 
 log = logging.getLogger("prefix_gateway.supervisor")
@@ -157,6 +159,8 @@ class Supervisor:
             self.startup_failures = 0
             if self.announced:
                 log.info("worker %d (slot %d) serving", slot.pid, slot.index)
+            if all(s.serving for s in self.slots):
+                self._drop_retired_prefixes()
             if not self.announced and all(s.serving for s in self.slots):
                 self.announced = True
                 pids = ", ".join(str(s.pid) for s in self.slots)
@@ -301,8 +305,15 @@ class Supervisor:
             os.replace(path, path.with_name(f"{RETIRED}{pid}.json"))
         with contextlib.suppress(OSError):  # its requests in flight are gone with it
             load_path(self.dir, pid).unlink()
-        with contextlib.suppress(OSError):  # the others applied its prefixes already
-            prefixes_path(self.dir, pid).unlink()
+        with contextlib.suppress(OSError):  # the others applied them; its replacement will
+            os.replace(prefixes_path(self.dir, pid), retired_path(self.dir, pid))
+
+    def _drop_retired_prefixes(self) -> None:
+        """Every worker serves: each read the dead workers' prefixes, while they lived or
+        before it served."""
+        for path in Path(self.dir).glob(f"*{RETIRED_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def shared_dir(candidates: tuple[str, ...] = MEMORY_DIRS) -> str:

@@ -24,10 +24,12 @@ A file that grows past `max_bytes` starts again: the worker writes the next line
 its current rates, to a new file and renames it over the old one. A reader keeps the old file
 open, reads it to its end, then opens the new one: nothing written is missed, unless a
 worker fills a whole file between two reads of another (4 MiB in a tick). A line is read
-only once its newline is there (a reader may see a write half done). The supervisor deletes a
-dead worker's file, and with it what it learned: the workers that remain keep the prefixes
-they applied. On the request's path: one append to a queue, bounded (the oldest dropped and
-counted) in case the ticks stop.
+only once its newline is there (a reader may see a write half done). The supervisor renames
+a dead worker's file `PID.prefixes-retired`: the workers that remain stop reading it (and
+counting what it learned of the rates) but keep the prefixes they applied; a worker that
+starts, such as the dead one's replacement, applies its prefixes before it serves, and the
+supervisor deletes it once every worker serves. On the request's path: one append to a
+queue, bounded (the oldest dropped and counted) in case the ticks stop.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ from routing.steps import sum_rates
 log = logging.getLogger("prefix_gateway.workers")
 
 SUFFIX = ".prefixes"
+RETIRED_SUFFIX = ".prefixes-retired"
+"""A dead worker's file, renamed by the supervisor: read only by workers that start."""
 MAX_BYTES = 4 << 20
 """A worker's file starts again past this size. At 100 decisions a second that is about 8 s
 of them for prompts of 256 blocks (5 kB a decision), 2 minutes for 16 blocks: what a new
@@ -68,6 +72,10 @@ _READ_BYTES = 1 << 20
 
 def prefixes_path(directory: str | Path, pid: int) -> Path:
     return Path(directory) / f"{pid}{SUFFIX}"
+
+
+def retired_path(directory: str | Path, pid: int) -> Path:
+    return Path(directory) / f"{pid}{RETIRED_SUFFIX}"
 
 
 @dataclass
@@ -108,6 +116,7 @@ class WorkerPrefixes:
         """Pool -> what this worker last wrote of the replicas' rates (`encode_rates`)."""
         self._rates_at = -RATES_INTERVAL_S
         self._peers: dict[str, _Peer] = {}
+        self._read_retired = False
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
 
@@ -206,6 +215,9 @@ class WorkerPrefixes:
     def read(self, files: Sequence[str]) -> None:
         """Apply what the workers writing `files` (the other workers' files now listed)
         appended since the last read; forget those whose file is gone."""
+        if not self._read_retired:
+            self._read_retired = True
+            self.read_retired()
         rates_changed = False
         for path in set(self._peers) - set(files):
             self._forget(path)
@@ -239,6 +251,22 @@ class WorkerPrefixes:
                 pool.router.apply_remote_rates(sum_rates(
                     peer.rates[name] for peer in self._peers.values() if name in peer.rates))
 
+    def read_retired(self) -> None:
+        """Apply the prefixes of the dead workers' files (`RETIRED_SUFFIX`) whole, once, at
+        this worker's first read: a replacement would otherwise route cold what the worker
+        it replaces had placed. What they learned of the rates is left: the workers that
+        remain stopped counting it too."""
+        for path in self.directory.glob(f"*{RETIRED_SUFFIX}"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # deleted meanwhile: every worker had read it
+                continue
+            peer = _Peer(fd, 0)
+            try:
+                self._drain(peer, rates=False)
+            finally:
+                os.close(fd)
+
     def _open(self, path: str, rates: dict[str, Any]) -> _Peer:
         fd = os.open(path, os.O_RDONLY)
         peer = self._peers[path] = _Peer(fd, os.fstat(fd).st_ino, rates=rates)
@@ -249,8 +277,9 @@ class WorkerPrefixes:
         with contextlib.suppress(OSError):
             os.close(peer.fd)
 
-    def _drain(self, peer: _Peer) -> bool:
-        """Apply the whole lines added to `peer`'s file; whether its rates changed."""
+    def _drain(self, peer: _Peer, rates: bool = True) -> bool:
+        """Apply the whole lines added to `peer`'s file (with `rates`, what it says of the
+        rates too); whether its rates changed."""
         chunks = [peer.partial]
         while chunk := os.read(peer.fd, _READ_BYTES):
             chunks.append(chunk)
@@ -267,7 +296,7 @@ class WorkerPrefixes:
                 continue
             if "d" in entry:
                 self._apply(entry["d"])
-            if "s" in entry:
+            if rates and "s" in entry:
                 peer.rates.update(entry["s"])
                 rates_changed = True
         return rates_changed

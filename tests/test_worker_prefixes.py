@@ -12,7 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.defaults import one_pool_config
 from gateway.state import GatewayState
 from gateway.workerload import WorkerLoad
-from gateway.workerprefixes import WorkerPrefixes, prefixes_path
+from gateway.workerprefixes import WorkerPrefixes, prefixes_path, retired_path
 from routing.steps import POOL_RATE_KEY
 
 
@@ -72,6 +72,29 @@ def test_a_worker_started_later_reads_what_the_others_decided(tmp_path: Path) ->
     assert all(held(late, "replica-0", [100 + i, 200 + i]) == 2 for i in range(5))
     # Decided before it began: not observed as the sharing's lag.
     assert late.metrics.shared_lag.rows == {}
+
+
+def test_a_dead_workers_prefixes_reach_its_replacement_and_not_the_others_twice(
+        tmp_path: Path) -> None:
+    """The supervisor deleted a dead worker's file: its replacement read only the living
+    workers', and routed cold every prefix the dead one had placed."""
+    dead, wd = worker(tmp_path, 1)
+    survivor, ws = worker(tmp_path, 2)
+    dead.pools[0].router.record("replica-1", [31, 32, 33], 300.0)
+    wd.write()
+    ws.read(peers(tmp_path, ws))
+    assert counted(survivor, "applied") == 1
+    # Dead: the supervisor renames its file (Supervisor._retire).
+    os.replace(prefixes_path(tmp_path, 1), retired_path(tmp_path, 1))
+    replacement, wr = worker(tmp_path, 3)
+    wr.read(peers(tmp_path, wr))
+    assert held(replacement, "replica-1", [31, 32, 33]) == 3
+    assert counted(replacement, "applied") == 1
+    # The survivor applied them while the worker lived, and does not again; nor does the
+    # replacement at its next reads.
+    ws.read(peers(tmp_path, ws))
+    wr.read(peers(tmp_path, wr))
+    assert counted(survivor, "applied") == 1 and counted(replacement, "applied") == 1
 
 
 def test_a_file_started_again_loses_nothing(tmp_path: Path) -> None:

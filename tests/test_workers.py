@@ -408,7 +408,9 @@ def test_a_prefix_either_worker_routed_is_in_every_workers_index(gw: Gateway) ->
     # Every decision published by one worker and applied by the other (the sums of both).
     poll(lambda: shared("published") == shared("applied") == sent, deadline_s=20)
 
-    # A worker killed: the supervisor deletes its file (the survivor keeps what it applied).
+    # A worker killed: its replacement holds what it had placed (it read them only from the
+    # living workers' files, and routed them cold), and the dead one's file goes once the
+    # replacement serves. The survivor keeps what it applied.
     import tempfile
     roots = {Path("/dev/shm"), Path(tempfile.gettempdir())}
     files = {p.name: p for root in roots if root.is_dir() for pid in held
@@ -418,6 +420,18 @@ def test_a_prefix_either_worker_routed_is_in_every_workers_index(gw: Gateway) ->
     os.kill(victim, signal.SIGKILL)
     poll(lambda: not files[f"{victim}.prefixes"].exists(), deadline_s=15)
     assert files[f"{max(held)}.prefixes"].exists()
+    replaced: dict[int, int] = {}
+
+    def replacement_holds_all() -> bool:
+        answer = stats(gw)
+        if answer["worker_pid"] not in held:
+            (replica,) = answer["pools"][0]["replicas"]
+            replaced[answer["worker_pid"]] = replica["index_blocks"]
+        return set(replaced.values()) == {blocks_each * sent}
+
+    poll(replacement_holds_all, deadline_s=30, interval_s=0.05)
+    retired = files[f"{victim}.prefixes"].with_name(f"{victim}.prefixes-retired")
+    poll(lambda: not retired.exists(), deadline_s=15)
 
 
 def test_worker_loads_sum_the_other_workers_and_forget_a_gone_one(tmp_path: Path) -> None:
