@@ -25,10 +25,10 @@ its current rates, to a new file and renames it over the old one. A reader keeps
 open, reads it to its end, then opens the new one: nothing written is missed, unless a
 worker fills a whole file between two reads of another (4 MiB in a tick). A line is read
 only once its newline is there (a reader may see a write half done). The supervisor renames
-a dead worker's file `PID.prefixes-retired`: the workers that remain stop reading it (and
-counting what it learned of the rates) but keep the prefixes they applied; a worker that
-starts, such as the dead one's replacement, applies its prefixes before it serves, and the
-supervisor deletes it once every worker serves. On the request's path: one append to a
+a dead worker's file `PID.prefixes-retired`: the workers that remain read it to its end,
+then drop it and what it learned of the rates, keeping the prefixes they applied; a worker
+that starts, such as the dead one's replacement, applies its prefixes before it serves, and
+the supervisor deletes it once every worker serves. On the request's path: one append to a
 queue, bounded (the oldest dropped and counted) in case the ticks stop.
 """
 
@@ -220,7 +220,7 @@ class WorkerPrefixes:
             self.read_retired()
         rates_changed = False
         for path in set(self._peers) - set(files):
-            self._forget(path)
+            self._leave(path)
             rates_changed = True
         for path in files:
             try:
@@ -228,7 +228,7 @@ class WorkerPrefixes:
                 inode, size = st.st_ino, st.st_size
             except FileNotFoundError:  # that worker left: its file goes with it
                 if path in self._peers:
-                    self._forget(path)
+                    self._leave(path)
                     rates_changed = True
                 continue
             peer = self._peers.get(path)
@@ -271,6 +271,12 @@ class WorkerPrefixes:
         fd = os.open(path, os.O_RDONLY)
         peer = self._peers[path] = _Peer(fd, os.fstat(fd).st_ino, rates=rates)
         return peer
+
+    def _leave(self, path: str) -> None:
+        """A worker's file is gone from the listing (it stopped, or died and was retired):
+        what it appended since the last read first, from the file still open."""
+        self._drain(self._peers[path], rates=False)
+        self._forget(path)
 
     def _forget(self, path: str) -> None:
         peer = self._peers.pop(path)

@@ -84,17 +84,23 @@ def test_a_dead_workers_prefixes_reach_its_replacement_and_not_the_others_twice(
     wd.write()
     ws.read(peers(tmp_path, ws))
     assert counted(survivor, "applied") == 1
-    # Dead: the supervisor renames its file (Supervisor._retire).
+    # One more decision written after the survivor's last read, then dead: the supervisor
+    # renames its file (Supervisor._retire).
+    dead.pools[0].router.record("replica-0", [41, 42], 200.0)
+    wd.write()
     os.replace(prefixes_path(tmp_path, 1), retired_path(tmp_path, 1))
     replacement, wr = worker(tmp_path, 3)
     wr.read(peers(tmp_path, wr))
     assert held(replacement, "replica-1", [31, 32, 33]) == 3
-    assert counted(replacement, "applied") == 1
-    # The survivor applied them while the worker lived, and does not again; nor does the
-    # replacement at its next reads.
+    assert held(replacement, "replica-0", [41, 42]) == 2
+    assert counted(replacement, "applied") == 2
+    # The survivor reads the file it held open to its end as it drops it: the last decision
+    # too, and the first not again. Nor does the replacement apply any twice.
+    ws.read(peers(tmp_path, ws))
+    assert held(survivor, "replica-0", [41, 42]) == 2
     ws.read(peers(tmp_path, ws))
     wr.read(peers(tmp_path, wr))
-    assert counted(survivor, "applied") == 1 and counted(replacement, "applied") == 1
+    assert counted(survivor, "applied") == 2 and counted(replacement, "applied") == 2
 
 
 def test_a_file_started_again_loses_nothing(tmp_path: Path) -> None:
