@@ -171,6 +171,13 @@ def kv_blocks_for(tokens: float, block: int) -> int:
     return math.ceil(tokens / block)
 
 
+def default_kv_bytes(dtype: str | None = None) -> int:
+    """KV bytes per token of the default model (8 layers x 512 keys and values): in float32
+    twice bfloat16's. The replicas run in `launch.cpu_dtype()` unless told otherwise; sized
+    for bfloat16, a float32 replica's memory held half the blocks the benchmark capped it at."""
+    return 16384 * (2 if (dtype or launch.cpu_dtype()) == "float32" else 1)
+
+
 def kv_gib(blocks: int, block: int, bytes_per_token: int) -> float:
     """KV memory (GiB, a little over) for ``blocks`` blocks, so the block cap is what binds."""
     return round(blocks * block * bytes_per_token * 1.05 / launch.GiB + 0.01, 3)
@@ -464,7 +471,7 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
     """Start replicas with ``blocks`` KV blocks each, run every variant ``repeats`` times
     interleaved, stop the replicas."""
     base = consecutive_free_ports(args.replicas)
-    gib = kv_gib(blocks, args.block_size, args.kv_bytes_per_token)
+    gib = kv_gib(blocks, args.block_size, args.kv_bytes_per_token or default_kv_bytes())
     log(f"[{label}] starting {args.replicas} replicas: {blocks} blocks x {args.block_size} "
         f"tokens each ({gib} GiB), max_model_len {args.max_model_len}")
     t0 = time.monotonic()
@@ -597,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-blocks", type=int, default=512,
                    help="KV blocks per replica in the control run (holds everything)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-bytes-per-token", type=int, default=16384,
-                   help="KV bytes per token of the model (default model: 16 KiB)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per token of the model (default model: 16 KiB in bfloat16, "
+                        "32 KiB in float32, as the launcher's dtype auto picks on this CPU)")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     p.add_argument("--tokenize-trials", type=int, default=30)
     p.add_argument("--variants", default=",".join(VARIANTS),
