@@ -171,6 +171,10 @@ def kv_blocks_for(tokens: float, block: int) -> int:
     return math.ceil(tokens / block)
 
 
+MODEL_LAYERS = 8
+"""Layers of the default model (backends/vllm_cpu/make_model.py)."""
+
+
 def default_kv_bytes(dtype: str | None = None) -> int:
     """KV bytes per token of the default model (8 layers x 512 keys and values): in float32
     twice bfloat16's. The replicas run in `launch.cpu_dtype()` unless told otherwise; sized
@@ -471,14 +475,32 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
     """Start replicas with ``blocks`` KV blocks each, run every variant ``repeats`` times
     interleaved, stop the replicas."""
     base = consecutive_free_ports(args.replicas)
-    gib = kv_gib(blocks, args.block_size, args.kv_bytes_per_token or default_kv_bytes())
+    per_token = args.kv_bytes_per_token or default_kv_bytes()
+    gib = kv_gib(blocks, args.block_size, per_token)
+    slow = 1 if args.slow_layers else 0
     log(f"[{label}] starting {args.replicas} replicas: {blocks} blocks x {args.block_size} "
-        f"tokens each ({gib} GiB), max_model_len {args.max_model_len}")
+        f"tokens each ({gib} GiB), max_model_len {args.max_model_len}"
+        + (f"; the last of {args.slow_layers} layers (slower)" if slow else ""))
     t0 = time.monotonic()
-    reps = launch.start_replicas(args.replicas, model_dir, base, served_model_name=MODEL,
-                                 kv_cache_gib=gib, max_model_len=args.max_model_len,
-                                 log_dir=str(fleet.log_dir), num_kv_blocks=blocks,
-                                 block_size=args.block_size)
+    binds = launch.plan_cpu_binding(args.replicas)
+    common = {"served_model_name": MODEL, "max_model_len": args.max_model_len,
+              "log_dir": str(fleet.log_dir), "num_kv_blocks": blocks,
+              "block_size": args.block_size}
+    reps = launch.start_replicas(args.replicas - slow, model_dir, base, kv_cache_gib=gib,
+                                 cpu_bind=binds[:args.replicas - slow], **common)
+    if slow:
+        try:
+            # The same tokenizer and served name, more layers: one replica of the pool on
+            # slower hardware. Its KV bytes per token grow with its layers.
+            slow_dir = launch.ensure_model(Path(f"{model_dir}-{args.slow_layers}l"),
+                                           layers=args.slow_layers)
+            reps += launch.start_replicas(
+                1, slow_dir, base + args.replicas - 1, cpu_bind=binds[-1:],
+                kv_cache_gib=kv_gib(blocks, args.block_size,
+                                    per_token * args.slow_layers // MODEL_LAYERS), **common)
+        except BaseException:
+            launch.stop_replicas(reps)
+            raise
     info: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1),
                             "kv_blocks": [r.num_kv_blocks for r in reps],
                             "kv_tokens": [r.kv_cache_tokens for r in reps],
@@ -607,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per token of the model (default model: 16 KiB in bfloat16, "
                         "32 KiB in float32, as the launcher's dtype auto picks on this CPU)")
+    p.add_argument("--slow-layers", type=int, default=0,
+                   help="make the last replica a model of this many layers, same tokenizer "
+                        "and name (the default model has 8): a pool of mixed speeds")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     p.add_argument("--tokenize-trials", type=int, default=30)
     p.add_argument("--variants", default=",".join(VARIANTS),
