@@ -171,17 +171,6 @@ def kv_blocks_for(tokens: float, block: int) -> int:
     return math.ceil(tokens / block)
 
 
-MODEL_LAYERS = 8
-"""Layers of the default model (backends/vllm_cpu/make_model.py)."""
-
-
-def default_kv_bytes(dtype: str | None = None) -> int:
-    """KV bytes per token of the default model (8 layers x 512 keys and values): in float32
-    twice bfloat16's. The replicas run in `launch.cpu_dtype()` unless told otherwise; sized
-    for bfloat16, a float32 replica's memory held half the blocks the benchmark capped it at."""
-    return 16384 * (2 if (dtype or launch.cpu_dtype()) == "float32" else 1)
-
-
 def kv_gib(blocks: int, block: int, bytes_per_token: int) -> float:
     """KV memory (GiB, a little over) for ``blocks`` blocks, so the block cap is what binds."""
     return round(blocks * block * bytes_per_token * 1.05 / launch.GiB + 0.01, 3)
@@ -475,8 +464,8 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
     """Start replicas with ``blocks`` KV blocks each, run every variant ``repeats`` times
     interleaved, stop the replicas."""
     base = consecutive_free_ports(args.replicas)
-    per_token = args.kv_bytes_per_token or default_kv_bytes()
-    gib = kv_gib(blocks, args.block_size, per_token)
+    gib = kv_gib(blocks, args.block_size,
+                 args.kv_bytes_per_token or launch.kv_bytes_per_token())
     slow = 1 if args.slow_layers else 0
     log(f"[{label}] starting {args.replicas} replicas: {blocks} blocks x {args.block_size} "
         f"tokens each ({gib} GiB), max_model_len {args.max_model_len}"
@@ -491,13 +480,13 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
     if slow:
         try:
             # The same tokenizer and served name, more layers: one replica of the pool on
-            # slower hardware. Its KV bytes per token grow with its layers.
+            # slower hardware.
             slow_dir = launch.ensure_model(Path(f"{model_dir}-{args.slow_layers}l"),
                                            layers=args.slow_layers)
+            per_token = launch.kv_bytes_per_token(args.slow_layers)
             reps += launch.start_replicas(
                 1, slow_dir, base + args.replicas - 1, cpu_bind=binds[-1:],
-                kv_cache_gib=kv_gib(blocks, args.block_size,
-                                    per_token * args.slow_layers // MODEL_LAYERS), **common)
+                kv_cache_gib=kv_gib(blocks, args.block_size, per_token), **common)
         except BaseException:
             launch.stop_replicas(reps)
             raise
@@ -627,8 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks per replica in the control run (holds everything)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-bytes-per-token", type=int, default=None,
-                   help="KV bytes per token of the model (default model: 16 KiB in bfloat16, "
-                        "32 KiB in float32, as the launcher's dtype auto picks on this CPU)")
+                   help="KV bytes per token of the model (default: the default model's in "
+                        "the dtype the launcher picks on this CPU, 16 KiB in bfloat16, 32 KiB "
+                        "in float32)")
     p.add_argument("--slow-layers", type=int, default=0,
                    help="make the last replica a model of this many layers, same tokenizer "
                         "and name (the default model has 8): a pool of mixed speeds")

@@ -53,6 +53,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.vllm_cpu.make_model import DEFAULTS as MODEL_DEFAULTS
+
 GiB = 1 << 30
 CACHE_ROOT = Path(os.environ.get("PG_CACHE_DIR", Path.home() / ".cache" / "prefix-gateway"))
 DEFAULT_VENV = Path(os.environ.get("PG_VLLM_VENV", CACHE_ROOT / "vllm-venv"))
@@ -135,6 +137,15 @@ def cpu_dtype(cpuinfo: str | None = None) -> str:
             flags.update(line.partition(":")[2].split())
             break
     return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def kv_bytes_per_token(layers: int | None = None, dtype: str = "auto") -> int:
+    """KV cache bytes per token of the model `ensure_model` makes (with `layers`, of one that
+    deep): keys and values of every layer, in `dtype` ("auto": `cpu_dtype()`)."""
+    d = MODEL_DEFAULTS
+    dtype = cpu_dtype() if dtype == "auto" else dtype
+    width = d["kv_heads"] * d["hidden"] // d["heads"]
+    return 2 * (layers or d["layers"]) * width * (4 if dtype == "float32" else 2)
 
 
 def plan_cpu_binding(n: int, cpus: list[int] | None = None) -> list[str | None]:
