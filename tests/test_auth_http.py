@@ -44,7 +44,7 @@ def run_cli(capsys, monkeypatch):
 
 
 def test_up_with_keys_serves_only_holders_of_the_key(tmp_path, run_cli) -> None:
-    port = processes.free_ports(1)[0]
+    port = processes.consecutive_free_ports(1)  # bound late: below the ephemeral range
     url = f"http://127.0.0.1:{port}"
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--port", str(port),
                             "--time-scale", "0.02", "--log-dir", str(tmp_path),

@@ -121,7 +121,7 @@ def test_a_batch_survives_sigkill_of_the_whole_gateway_and_completes_once(tmp_pa
     again with the same arguments: exactly 50 results, one per custom_id."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
-    port = processes.free_ports(1)[0]
+    port = processes.consecutive_free_ports(1)  # bound late: below the ephemeral range
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--redis-url",
             redis.url, "--realtime-replicas", "1", "--batch-replicas", "2",

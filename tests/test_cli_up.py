@@ -48,7 +48,9 @@ def alive(pid: int) -> bool:
 ], ids=["SIGTERM-default", "SIGINT-1+1"])
 def test_up_serves_both_pools_and_stops_everything(tmp_path, capsys, sig, flags, n_rt,
                                                    n_bt) -> None:
-    port = processes.free_ports(1)[0]
+    # `up` binds its port only once its replicas serve, seconds after the test chose it:
+    # below the ephemeral range, or an outgoing connection (a health check) may take it first.
+    port = processes.consecutive_free_ports(1)
     url = f"http://127.0.0.1:{port}"
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--port", str(port),
                             "--time-scale", "0.02", "--log-dir", str(tmp_path), *flags],

@@ -20,10 +20,11 @@ pytestmark = pytest.mark.engine
 
 
 def test_up_runs_the_default_on_real_vllm_and_stops_it(tmp_path) -> None:
-    port = processes.free_ports(1)[0]
+    # Below the ephemeral range: the engines bind their ports only once vLLM has imported,
+    # and the gateway its own once they serve.
+    base = processes.consecutive_free_ports(3)
+    port = base + 2
     url = f"http://127.0.0.1:{port}"
-    # Below the ephemeral range: the engines bind their ports only once vLLM has imported.
-    base = processes.consecutive_free_ports(2)
     proc = processes.spawn([sys.executable, "-m", "gateway.cli", "up", "--engine", "vllm-cpu",
                             "--port", str(port), "--realtime-replicas", "1",
                             "--batch-replicas", "1", "--engine-base-port", str(base),
