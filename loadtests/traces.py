@@ -564,6 +564,46 @@ def stress_workload(n_requests: int = 1500, rate_per_s: float = 3.34,
                                     seed=seed)]
 
 
+def rag_workload(n_requests: int = 3000, rate_per_s: float = 4.0, n_docs: int = 400,
+                 doc_tokens_mean: float = 6000.0, docs_max: int = 3, zipf_s: float = 1.1,
+                 question_tokens_mean: float = 200.0, output_mean: float = 250.0,
+                 seed: int = 11) -> list[TraceRequest]:
+    """Retrieval-augmented requests: each prompt is 1 to `docs_max` retrieved documents,
+    drawn by Zipf popularity (exponent `zipf_s`) in the order retrieval ranked them, then a
+    fresh question. Documents are log-normal (sigma 1, mean `doc_tokens_mean`); questions
+    log-normal too; outputs exponential. Only the prompt's leading documents are a prefix
+    another request can share: the same first document, or the same first two."""
+    ids = _ids(seed)
+    rng = random.Random(seed + 1)
+
+    def lognormal_blocks(mean: float) -> int:
+        tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
+        return max(1, round(tokens / BLOCK_TOKENS))
+
+    docs = [[next(ids) for _ in range(lognormal_blocks(doc_tokens_mean))]
+            for _ in range(n_docs)]
+    weights = [1.0 / (k ** zipf_s) for k in range(1, n_docs + 1)]
+    out, t = [], 0.0
+    for _ in range(n_requests):
+        t += rng.expovariate(rate_per_s)
+        chosen: list[int] = []
+        for _ in range(rng.randint(1, docs_max)):
+            doc = rng.choices(range(n_docs), weights)[0]
+            if doc not in chosen:
+                chosen.append(doc)
+        content = [h for doc in chosen for h in docs[doc]]
+        content += [next(ids) for _ in range(lognormal_blocks(question_tokens_mean))]
+        # Chained, as Mooncake's ids are: a document's blocks after another document are not
+        # the blocks it has first in a prompt (its KV depends on what precedes it).
+        blocks, h = [], 0
+        for c in content:
+            h = _chain(h, str(c))
+            blocks.append(h)
+        output = max(1, round(rng.expovariate(1.0 / output_mean)))
+        out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output, tuple(blocks)))
+    return out
+
+
 def swing_rate(t: float, low_rate_per_s: float, high_rate_per_s: float,
                period_s: float) -> float:
     """The swing workload's arrival rate at time `t`: light for the first half of every
@@ -609,6 +649,7 @@ SYNTHETIC = {
     "conversation": conversation_workload,
     "stress": stress_workload,
     "swing": swing_workload,
+    "rag": rag_workload,
 }
 
 

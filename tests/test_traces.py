@@ -22,6 +22,7 @@ from loadtests.traces import (
     ideal_hit_ratio,
     load_trace,
     prompt_text,
+    rag_workload,
     stress_workload,
     swing_rate,
     swing_workload,
@@ -232,6 +233,35 @@ def test_shared_prefixes_are_chosen_with_weight_one_over_k() -> None:
     shares = sorted((Counter(first_of.values())[p] / 600 for p in set(first_of.values())),
                     reverse=True)
     assert [round(x, 1) for x in shares] == [0.5, 0.3, 0.2], shares
+
+
+def test_rag_prompts_share_only_their_leading_documents() -> None:
+    reqs = rag_workload(n_requests=400, n_docs=20, doc_tokens_mean=2048.0, docs_max=3, seed=5)
+    assert len(reqs) == 400
+    assert all(r.input_tokens == len(r.hash_ids) * BLOCK_TOKENS for r in reqs)
+    assert all(b.timestamp_s > a.timestamp_s for a, b in itertools.pairwise(reqs))
+    # Chained ids: a block id stands for its whole prefix, so equal ids mean equal prefixes.
+    # Two prompts that share a block share every block before it.
+    first_seen: dict[int, tuple[int, ...]] = {}
+    for r in reqs:
+        for n, h in enumerate(r.hash_ids):
+            prefix = r.hash_ids[: n + 1]
+            assert first_seen.setdefault(h, prefix) == prefix
+    # Popular documents lead many prompts; the question behind them is always fresh.
+    leading = Counter(r.hash_ids[0] for r in reqs)
+    assert leading.most_common(1)[0][1] >= 40
+    assert len({r.hash_ids[-1] for r in reqs}) == 400
+
+
+def test_rag_documents_behind_another_are_not_a_prefix_of_their_own() -> None:
+    # One document of one block each, always two per prompt: a document second in a prompt
+    # has other ids than the same document first, as its KV depends on what precedes it.
+    reqs = rag_workload(n_requests=300, n_docs=3, doc_tokens_mean=100.0, docs_max=2,
+                        question_tokens_mean=100.0, seed=2)
+    two = [r for r in reqs if len(r.hash_ids) == 3]
+    assert two
+    firsts = {r.hash_ids[0] for r in reqs}
+    assert not firsts & {r.hash_ids[1] for r in two}
 
 
 def test_stress_workload_is_the_stress_trace() -> None:
