@@ -1110,11 +1110,23 @@ def test_on_an_idle_mixed_fleet_requests_in_flight_do_not_outweigh_speed() -> No
     assert picks <= {"r0", "r1"}
 
 
-def test_own_speed_leaves_a_fleet_with_one_stray_speed_alone() -> None:
-    # One replica's learned speed strays (equal replicas do on long chunked prompts): the
-    # quartiles are equal, so own_speed does not act and the decisions are the defaults'.
-    speeds = {"r0": 1.75, "r1": 1.0, "r2": 1.0, "r3": 0.25}
+def test_own_speed_leaves_speeds_within_its_spread_alone() -> None:
+    # Equal replicas' learned speeds stray (on long chunked prompts, to two thirds of the
+    # pool's rate): within own_speed_spread (2) of it, the decisions are the defaults'.
+    speeds = {"r0": 1.4, "r1": 1.0, "r2": 1.0, "r3": 0.6}
     assert cold_spread(speeds, {}) == cold_spread(speeds, OFF)
+
+
+def test_own_speed_prices_one_replica_far_off_the_pools_speed() -> None:
+    # One replica of four four times slower (throttled, or sharing its GPU): the fleet is
+    # not one of mixed speeds (the quartiles are equal), but a request's own prefill there
+    # takes four times as long, so an idle slow replica is not as cheap as an idle fast one.
+    speeds = {"r0": 1.0, "r1": 1.0, "r2": 1.0, "r3": 0.25}
+    # Without it, balancing by time still gives r3 a share of the cold prompts.
+    off = cold_spread(speeds, OFF)
+    assert off["r3"] > 0, off
+    assert cold_spread(speeds, {})["r3"] == 0
+    assert cold_spread(speeds, {"own_speed_outliers": False}) == off
 
 
 def test_own_speed_keeps_a_fast_replicas_prefix_on_an_idle_fleet() -> None:

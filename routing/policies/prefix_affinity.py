@@ -101,6 +101,11 @@ class PrefixAffinitySettings(PolicySettings):
                                     "least this many times their lower-quartile speed: a "
                                     "fleet of two speeds, not equal replicas one or two of "
                                     "whose learned speeds stray")
+    own_speed_outliers: bool = Field(True, description="on a fleet that is not of mixed "
+                                     "speeds, own_speed still prices the request's own "
+                                     "prefill on a replica more than own_speed_spread times "
+                                     "slower or faster than the pool's rate (a throttled "
+                                     "replica), the others at the pool's rate")
     own_speed_step_tokens: float = Field(1024.0, ge=0.0, description="with own_speed, tokens "
                                          "added to the request's own uncached tokens before "
                                          "they are priced at the speed: the fixed cost of "
@@ -210,6 +215,7 @@ class PrefixAffinity(Policy):
         self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
         self.own_speed_spread = s.own_speed_spread
+        self.own_speed_outliers = s.own_speed_outliers and self.own_speed
         self.match_allowance_tokens = s.match_allowance_tokens
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
         self.time_cap_mixed_speeds = s.time_cap_mixed_speeds
@@ -244,6 +250,16 @@ class PrefixAffinity(Policy):
         # replica for having fewer in flight.
         per_request = self.inflight_tokens * busy if own else self.inflight_tokens
         own_exponent = 1.0 - busy
+        # On a fleet that is not mixed, a replica far off the pool's rate (throttled) still
+        # has the request's own prefill priced at its speed, the others at the pool's: with
+        # one slow replica in eight, its cold prompts and partial hits looked as cheap as a
+        # fast replica's, and the sessions they started stayed there at three times the cost
+        # of every turn. Strays within the spread are left alone, as for `mixed`.
+        own_speeds: list[float] | None = None  # None: no replica's own prefill at its speed
+        if not own and self.own_speed_outliers and busy < 1.0:
+            lo, hi = 1.0 / self.own_speed_spread, self.own_speed_spread
+            if min(speeds) < lo or max(speeds) > hi:
+                own_speeds = [v if v < lo or v > hi else 1.0 for v in speeds]
         # Ties price them lower still, but only as far as the fleet is idle: behind a queue the
         # request's own step is no longer what it waits for, and the requests in flight stand
         # for work whose drain is only estimated (a replica three times slower, its speed not
@@ -258,7 +274,8 @@ class PrefixAffinity(Policy):
         allowance = self.match_allowance_tokens
         rows: list[Row] = []
         best_match = 0
-        for r, speed, bound in zip(replicas, speeds, bounds, strict=True):
+        for r, speed, bound, outlier_speed in zip(replicas, speeds, bounds,
+                                                  own_speeds or speeds, strict=True):
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
@@ -275,8 +292,13 @@ class PrefixAffinity(Policy):
             # With own_speed, at the speed to the power of the share of replicas with nothing
             # queued: on an idle fleet the request's own prefill there is its TTFT; on a busy
             # one a miss is work every later request pays for wherever it runs.
-            uncached_cost = ((uncached + self.own_speed_step_tokens) / speed ** own_exponent
-                             if own else uncached)
+            if own:
+                uncached_cost = (uncached + self.own_speed_step_tokens) / speed ** own_exponent
+            elif own_speeds is not None:
+                uncached_cost = ((uncached + self.own_speed_step_tokens)
+                                 / outlier_speed ** own_exponent - self.own_speed_step_tokens)
+            else:
+                uncached_cost = uncached
             cost = uncached_cost + w * queue + wait
             # Without the step wait, and the requests in flight at the tie price (read only
             # when the replicas tie on a match longer than zero).
