@@ -317,25 +317,32 @@ def test_a_slow_replica_gets_proportionally_less_prefill() -> None:
     from loadtests.traces import TraceRequest
 
     # 600 distinct 2k-token prompts, 5 a second, over 4 replicas of which the last is three
-    # times slower: priced at its own speed, its queue keeps it to less than a third of a fast
-    # replica's prefill tokens, and the busy prefill time stays even.
+    # times slower. Its queue priced at its own speed keeps it to less than a third of a fast
+    # replica's prefill tokens, and the busy prefill time stays even (`own_speed_outliers:
+    # false`). With each request's own prefill priced at its speed too (the default: it is
+    # more than own_speed_spread off the pool's rate), an idle fast replica serves a cold
+    # prompt sooner, so the slow one gets next to none, as the oracle gives it none, and the
+    # mean TTFT is lower; the prefill time is no longer even at this light load.
     reqs = [TraceRequest(0.2 * i, 2048, 32, tuple(range(10 * i + 1, 10 * i + 5)), "")
             for i in range(600)]
     fleet = fleet_profiles(4, "qwen-32b-h200", slow="1:3")
-    runs = {on: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
-                         settings=RoutingSettings(replica_speed=on)) for on in (True, False)}
-    for on, report in runs.items():
+    variants = {"defaults": {}, "queue only": {"own_speed_outliers": False},
+                "pool rate": {"replica_speed": False}}
+    runs = {name: simulate(Workload("cold", reqs), "prefix_affinity", fleet=fleet,
+                           settings=RoutingSettings(**kw)) for name, kw in variants.items()}
+    shares = {}
+    for name, report in runs.items():
         *fast, slow = report["prefill_tokens_per_replica"]
         assert report["requests"] == 600
         assert report["fleet"] == "3 x qwen-32b-h200 + 1 x qwen-32b-h200/3"
         assert report["learned_prefill_tokens_per_s"][3] < 0.4 * min(
             report["learned_prefill_tokens_per_s"][:3])
-        share = slow / (sum(fast) / 3)
-        if on:
-            assert share < 0.3
-            assert report["prefill_time_imbalance"] <= 1.1
-        else:
-            assert share > 0.35  # the pool's rate alone lets it take more
+        shares[name] = slow / (sum(fast) / 3)
+    assert shares["queue only"] < 0.3
+    assert runs["queue only"]["prefill_time_imbalance"] <= 1.1
+    assert shares["pool rate"] > 0.35  # the pool's rate alone lets it take more
+    assert shares["defaults"] < 0.05, shares
+    assert runs["defaults"]["ttft_mean_s"] < runs["queue only"]["ttft_mean_s"]
 
 
 def test_prefill_time_imbalance_is_tokens_over_each_replica_rate() -> None:
