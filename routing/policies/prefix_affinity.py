@@ -239,7 +239,8 @@ class PrefixAffinity(Policy):
         speeds = [self._speeds.see(r) for r in replicas]
         key = request.key
         busy = sum(1 for r in replicas if r.pending_prefill_tokens > 0) / len(replicas)
-        mixed = self._spread(speeds)
+        slowest, fastest = min(speeds), max(speeds)
+        mixed = self._spread(speeds, slowest, fastest)
         # own_speed acts on this decision: on a fleet of mixed speeds that is not all busy.
         own = self.own_speed and busy < 1.0 and mixed
         bounds = self._bounds(replicas, busy, own)
@@ -250,16 +251,13 @@ class PrefixAffinity(Policy):
         # replica for having fewer in flight.
         per_request = self.inflight_tokens * busy if own else self.inflight_tokens
         own_exponent = 1.0 - busy
-        # On a fleet that is not mixed, a replica far off the pool's rate (throttled) still
-        # has the request's own prefill priced at its speed, the others at the pool's: with
-        # one slow replica in eight, its cold prompts and partial hits looked as cheap as a
-        # fast replica's, and the sessions they started stayed there at three times the cost
-        # of every turn. Strays within the spread are left alone, as for `mixed`.
-        own_speeds: list[float] | None = None  # None: no replica's own prefill at its speed
-        if not own and self.own_speed_outliers and busy < 1.0:
-            lo, hi = 1.0 / self.own_speed_spread, self.own_speed_spread
-            if min(speeds) < lo or max(speeds) > hi:
-                own_speeds = [v if v < lo or v > hi else 1.0 for v in speeds]
+        # The speed each replica's own prefill is priced at (None: priced whole everywhere).
+        priced = speeds if own else self._outlier_speeds(speeds, slowest, fastest, busy)
+        # Off a mixed fleet the step's cost is taken off again, so that a replica priced at the
+        # pool's rate costs exactly its uncached tokens, as without the outliers: ties are
+        # judged at whole-token boundaries, and an offset on every cost rounded one of them
+        # the other way (slow Mooncake 1.928 to 1.884 s).
+        step_offset = 0.0 if own else self.own_speed_step_tokens
         # Ties price them lower still, but only as far as the fleet is idle: behind a queue the
         # request's own step is no longer what it waits for, and the requests in flight stand
         # for work whose drain is only estimated (a replica three times slower, its speed not
@@ -274,8 +272,8 @@ class PrefixAffinity(Policy):
         allowance = self.match_allowance_tokens
         rows: list[Row] = []
         best_match = 0
-        for r, speed, bound, outlier_speed in zip(replicas, speeds, bounds,
-                                                  own_speeds or speeds, strict=True):
+        for r, speed, bound, own_rate in zip(replicas, speeds, bounds, priced or speeds,
+                                             strict=True):
             matched = lookup.matched_blocks(r.name, hashes) if hashes else 0
             if matched > best_match:
                 best_match = matched
@@ -292,13 +290,9 @@ class PrefixAffinity(Policy):
             # With own_speed, at the speed to the power of the share of replicas with nothing
             # queued: on an idle fleet the request's own prefill there is its TTFT; on a busy
             # one a miss is work every later request pays for wherever it runs.
-            if own:
-                uncached_cost = (uncached + self.own_speed_step_tokens) / speed ** own_exponent
-            elif own_speeds is not None:
-                uncached_cost = ((uncached + self.own_speed_step_tokens)
-                                 / outlier_speed ** own_exponent - self.own_speed_step_tokens)
-            else:
-                uncached_cost = uncached
+            uncached_cost = (uncached if priced is None else
+                             (uncached + self.own_speed_step_tokens) / own_rate ** own_exponent
+                             - step_offset)
             cost = uncached_cost + w * queue + wait
             # Without the step wait, and the requests in flight at the tie price (read only
             # when the replicas tie on a match longer than zero).
@@ -455,16 +449,35 @@ class PrefixAffinity(Policy):
             if self._recent_work(name) < start:
                 self._recent[name] = (start, now)
 
-    def _spread(self, speeds: Sequence[float]) -> bool:
-        """Whether the speeds are those of a fleet of mixed speeds (`own_speed_spread`)."""
+    def _spread(self, speeds: Sequence[float], slowest: float, fastest: float) -> bool:
+        """Whether the speeds (`slowest` to `fastest`) are those of a fleet of mixed speeds
+        (`own_speed_spread`)."""
         spread = self.own_speed_spread
         if spread <= 1.0:
             return True
-        if max(speeds) < spread * min(speeds):  # equal replicas: no sort on every request
+        if fastest < spread * slowest:  # equal replicas: no sort on every request
             return False
         ranked = sorted(speeds)
         n = len(ranked)
         return ranked[(3 * n - 1) // 4] >= spread * ranked[n // 4]
+
+    def _outlier_speeds(self, speeds: list[float], slowest: float, fastest: float,
+                        busy: float) -> list[float] | None:
+        """On a fleet that is not one of mixed speeds, the speeds to price each request's own
+        prefill at (`own_speed_outliers`): a replica more than `own_speed_spread` off the
+        pool's rate at its own, the others at the pool's; None while no replica is that far
+        off, or every replica has prefill queued.
+
+        With one slow replica in eight the quartiles are equal, and its cold prompts and
+        partial hits looked as cheap as a fast replica's: the sessions they started stayed
+        there at three times the cost of every turn. Strays within the spread (equal
+        replicas' learned speeds on long chunked prompts) are left alone, as by `_spread`."""
+        if not self.own_speed_outliers or busy >= 1.0:
+            return None
+        lo, hi = 1.0 / self.own_speed_spread, self.own_speed_spread
+        if slowest >= lo and fastest <= hi:
+            return None
+        return [v if v < lo or v > hi else 1.0 for v in speeds]
 
     def _bounds(self, replicas: Sequence[ReplicaView], busy: float, own: bool) -> list[int]:
         """Each replica's in-flight limit: ceil(c x mean) + `load_allowance`. While at least
