@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import itertools
 import json
 import math
 import random
@@ -129,10 +130,8 @@ def load_ragpulse(directory: str | Path, limit: int | None = None) -> list[Trace
         ids = row["hash_ids"]
         chunks = [f"{k}:{c}" for k in ("sys_prompt", "passages_ids", "history", "web_search",
                                        "user_input") for c in ids.get(k, [])]
-        chained, h = [], 0
-        for c in chunks:
-            h = _chain(h, c)
-            chained.append(h)
+        chained = _chained(chunks)
+        h = chained[-1] if chained else 0
         n_blocks = max(1, -(-int(row["input_length"]) // BLOCK_TOKENS))
         # Keep the chain's head (the shared system prompt) and as many blocks as the length.
         blocks = chained + [_chain(h, f"pad{i}") for i in range(n_blocks)]
@@ -145,6 +144,15 @@ def load_ragpulse(directory: str | Path, limit: int | None = None) -> list[Trace
 def _chain(parent: int, chunk: str) -> int:
     # Stable across processes, unlike hash(): replay and simulator must agree on ids.
     return xxhash.xxh3_64_intdigest(chunk.encode(), seed=parent) >> 2
+
+
+def _chained(chunks: Iterable[str]) -> list[int]:
+    """One id per chunk, each chained on the one before it (`_chain`, from 0)."""
+    out, h = [], 0
+    for c in chunks:
+        h = _chain(h, c)
+        out.append(h)
+    return out
 
 
 def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -439,6 +447,12 @@ def scale_time(requests: list[TraceRequest], speedup: float) -> list[TraceReques
 # -- synthetic workloads -------------------------------------------------------------------
 
 
+def _lognormal_blocks(rng: random.Random, mean: float) -> int:
+    """Whole 512-token blocks of a log-normal length (sigma 1) with mean `mean` tokens."""
+    tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
+    return max(1, round(tokens / BLOCK_TOKENS))
+
+
 def _ids(seed: int) -> Iterator[int]:
     rng = random.Random(seed)
     while True:
@@ -527,10 +541,6 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
     prefixes = [[next(ids) for _ in range(prefix_blocks)] for _ in range(shared_prefixes)]
     weights = [1.0 / k for k in range(1, shared_prefixes + 1)]
 
-    def lognormal_blocks(mean: float) -> int:
-        tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
-        return max(1, round(tokens / BLOCK_TOKENS))
-
     out, start = [], 0.0
     for s in range(n_sessions):
         start += rng.expovariate(rate_per_s / turns_mean)
@@ -541,7 +551,7 @@ def conversation_workload(n_sessions: int = 300, rate_per_s: float = 3.0,
             turns += 1
         for turn in range(turns):
             mean = first_tokens_mean if turn == 0 else turn_tokens_mean
-            new = -(-answer // BLOCK_TOKENS) + lognormal_blocks(mean)
+            new = -(-answer // BLOCK_TOKENS) + _lognormal_blocks(rng, mean)
             blocks += [next(ids) for _ in range(new)]
             answer = max(1, round(rng.expovariate(1.0 / output_mean)))
             out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, answer, tuple(blocks),
@@ -576,29 +586,22 @@ def rag_workload(n_requests: int = 3000, rate_per_s: float = 4.0, n_docs: int = 
     ids = _ids(seed)
     rng = random.Random(seed + 1)
 
-    def lognormal_blocks(mean: float) -> int:
-        tokens = rng.lognormvariate(math.log(mean) - 0.5, 1.0)
-        return max(1, round(tokens / BLOCK_TOKENS))
-
-    docs = [[next(ids) for _ in range(lognormal_blocks(doc_tokens_mean))]
+    docs = [[next(ids) for _ in range(_lognormal_blocks(rng, doc_tokens_mean))]
             for _ in range(n_docs)]
-    weights = [1.0 / (k ** zipf_s) for k in range(1, n_docs + 1)]
+    popularity = list(itertools.accumulate(1.0 / (k ** zipf_s) for k in range(1, n_docs + 1)))
     out, t = [], 0.0
     for _ in range(n_requests):
         t += rng.expovariate(rate_per_s)
         chosen: list[int] = []
         for _ in range(rng.randint(1, docs_max)):
-            doc = rng.choices(range(n_docs), weights)[0]
+            doc = rng.choices(range(n_docs), cum_weights=popularity)[0]
             if doc not in chosen:
                 chosen.append(doc)
         content = [h for doc in chosen for h in docs[doc]]
-        content += [next(ids) for _ in range(lognormal_blocks(question_tokens_mean))]
+        content += [next(ids) for _ in range(_lognormal_blocks(rng, question_tokens_mean))]
         # Chained, as Mooncake's ids are: a document's blocks after another document are not
         # the blocks it has first in a prompt (its KV depends on what precedes it).
-        blocks, h = [], 0
-        for c in content:
-            h = _chain(h, str(c))
-            blocks.append(h)
+        blocks = _chained(str(c) for c in content)
         output = max(1, round(rng.expovariate(1.0 / output_mean)))
         out.append(TraceRequest(t, len(blocks) * BLOCK_TOKENS, output, tuple(blocks)))
     return out
