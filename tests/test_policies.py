@@ -434,6 +434,49 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
     assert counts["y"] > 0, counts
 
 
+def turns_of_a_long_context(policy: Policy, z_queued: float,
+                            context_chars: int = 160_000) -> dict[str, int]:
+    """After a window in which "x" took all the prefill: 40 requests sharing a context of
+    `context_chars` characters (40k tokens) that "x" holds, each with its own 256-token
+    suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued: how many
+    each got."""
+    router = Router(["x", "y", "z"], policy, block_chars=128)
+    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
+                  ReplicaView(name="z", pending_prefill_tokens=1e5)]
+    for i in range(12):
+        assert router.route(router.request_from_text(f"a{i:04d}" * 10_000),
+                            x_cheapest).replica == "x"
+    context = "c" * context_chars
+    router.record("x", router.request_from_text(context).hashes)
+    views = [ReplicaView(name="x"), ReplicaView(name="y"),
+             ReplicaView(name="z", pending_prefill_tokens=z_queued)]
+    counts = {"x": 0, "y": 0, "z": 0}
+    for i in range(40):
+        counts[router.route(router.request_from_text(context + f"{i:04d}" * 256),
+                            views).replica] += 1
+    return counts
+
+
+def test_on_an_idle_pool_the_cap_does_not_send_a_long_held_context_to_be_computed_again() -> None:
+    # "x" soon passes the cap on a window of these requests alone. Moving one to "y" would
+    # compute its 40k held tokens again (seconds of TTFT instead of a fraction of one), with
+    # nothing queued anywhere for the balance to spare.
+    assert turns_of_a_long_context(capped(1.15), z_queued=0.0) == {"x": 40, "y": 0, "z": 0}
+    without = build_policy("prefix_affinity", {"time_cap": 1.15, "balance_horizon": 10,
+                                               "idle_cap_recompute_tokens": None})
+    assert turns_of_a_long_context(without, z_queued=0.0)["y"] > 0
+    # With prefill queued somewhere the cap holds the balance as before: idle "y" takes its
+    # share, which spreads a hot context to a second replica for the requests to come.
+    assert turns_of_a_long_context(capped(1.15), z_queued=5000.0)["y"] > 0
+
+
+def test_on_an_idle_pool_the_cap_still_moves_a_shorter_held_context() -> None:
+    # 16k tokens held, less than idle_cap_recompute_tokens (32,768) more than "y" holds: the
+    # cap spreads it as before (sparing contexts from 8k tokens on made agent loops at 8
+    # replicas 1.2% slower).
+    assert turns_of_a_long_context(capped(1.15), z_queued=0.0, context_chars=64_000)["y"] > 0
+
+
 def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> str:
     """After a window in which "x" took most of the prefill: where a prompt longer than any
     replica's share of the window goes, with "x" idle and nothing in flight, "y" idle with 3

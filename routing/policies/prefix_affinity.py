@@ -124,6 +124,12 @@ class PrefixAffinitySettings(PolicySettings):
         "balance_horizon-th decision on, when the window holds more than a few prompts; on "
         "a fleet of mixed speeds only with time_cap_mixed_speeds. None: no cap; needs "
         "balance_horizon > 0")
+    idle_cap_recompute_tokens: float | None = Field(
+        32768.0, gt=0.0, description="on an idle fleet (no replica has prefill queued), a "
+        "replica past the time cap stays eligible for a request it holds this many tokens "
+        "more of than every replica the cap allows: moving it there would only compute "
+        "them again, with no queue for the balance to spare (at a quiet hour, turns of long "
+        "conversations were computed again elsewhere). None: the cap moves it")
     tie_inflight_tokens: float | None = Field(
         32.0, ge=0.0, description="queue tokens counted per request in flight when ties "
         "among replicas holding as much of the prompt (more than none of it) are judged on an "
@@ -179,7 +185,8 @@ class PrefixAffinity(Policy):
     With `time_cap` (1.15 by default), before step 3, replicas whose recent prefill time is
     past the cap are left out while one under it is idle: on equal replicas balance by time
     costs about 1% of the mean TTFT; on a fleet of mixed speeds, where it costs far more, only
-    with `time_cap_mixed_speeds`.
+    with `time_cap_mixed_speeds`. On an idle fleet a replica the cap left out stays a
+    candidate for a prompt it holds `idle_cap_recompute_tokens` more of than the others.
     """
 
     name = "prefix_affinity"
@@ -219,6 +226,7 @@ class PrefixAffinity(Policy):
         self.match_allowance_tokens = s.match_allowance_tokens
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
         self.time_cap_mixed_speeds = s.time_cap_mixed_speeds
+        self.idle_cap_recompute_tokens = s.idle_cap_recompute_tokens
         self.tie_inflight_tokens = s.tie_inflight_tokens
         self._seen_at: dict[str, int] = {}
         """Replica -> the decision at which the time cap last saw it among the views (up to
@@ -412,6 +420,9 @@ class PrefixAffinity(Policy):
                 allowed = [a <= floor for a in after]
                 idle_under = True
                 eligible_under = any(a and row[4] for a, row in zip(allowed, rows, strict=True))
+        if self.idle_cap_recompute_tokens is not None and idle_under and not all(allowed) \
+                and all(r.pending_prefill_tokens <= 0.0 for r in replicas):
+            allowed = self._spare_held(rows, allowed)
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
@@ -421,6 +432,20 @@ class PrefixAffinity(Policy):
             # Over the in-flight bound too: the time cap decides, the bound is the softer one.
             return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
         return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
+
+    def _spare_held(self, rows: list[Row], allowed: list[bool]) -> list[bool]:
+        """`allowed`, with every replica the cap left out that holds at least
+        `idle_cap_recompute_tokens` more of the prompt than each replica it allows (fewer
+        uncached tokens) allowed again: on an idle fleet."""
+        # On an idle fleet the request's TTFT is its own prefill, and the prefill the cap
+        # moves is not moved but made: computed again where it goes, while the holder's
+        # idle time balances nothing. At the end of document Q&A a few long conversations
+        # were left, their holders past the cap on a window of their own turns, and turns
+        # were sent to compute 38k-74k-token contexts again (6-13 s, against 0.5-0.7 s).
+        # Only long contexts: shorter ones (from 8,192 tokens) cost agent loops 1.2%.
+        least = min(row[3] for row, a in zip(rows, allowed, strict=True) if a)
+        spare = least - self.idle_cap_recompute_tokens
+        return [a or row[3] <= spare for a, row in zip(allowed, rows, strict=True)]
 
     def _start_returning(self, rows: list[Row]) -> None:
         """A replica that joins, or comes back from longer than the window out of the views
