@@ -330,7 +330,8 @@ class PrefixAffinity(Policy):
             # the mean).
             self._start_returning(rows)
             if busy < 1.0:  # with no replica idle the cap never acts
-                rows = self._cap_by_time(rows, replicas, speeds, cold=best_match == 0)
+                rows = self._cap_by_time(rows, replicas, speeds, cold=best_match == 0,
+                                         idle_fleet=busy == 0.0)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
             least = min(r.inflight for r in replicas)
@@ -389,11 +390,12 @@ class PrefixAffinity(Policy):
         )
 
     def _cap_by_time(self, rows: list[Row], replicas: Sequence[ReplicaView],
-                     speeds: Sequence[float], cold: bool) -> list[Row]:
+                     speeds: Sequence[float], cold: bool, idle_fleet: bool) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
-        replica under it has no prefill queued; a `cold` prompt (no replica holds any of it)
-        that would pass the cap on every replica, eligible only where an idle replica is
-        left with the least recent prefill; else `rows` as they are."""
+        replica under it has no prefill queued, but on an `idle_fleet` (none has) those
+        holding a long context (`idle_cap_recompute_tokens`); a `cold` prompt (no replica
+        holds any of it) that would pass the cap on every replica, eligible only where an
+        idle replica is left with the least recent prefill; else `rows` as they are."""
         recent = [self._recent_work(row[5]) for row in rows]
         total = sum(recent)
         cap = self.time_cap / len(rows)
@@ -420,8 +422,8 @@ class PrefixAffinity(Policy):
                 allowed = [a <= floor for a in after]
                 idle_under = True
                 eligible_under = any(a and row[4] for a, row in zip(allowed, rows, strict=True))
-        if self.idle_cap_recompute_tokens is not None and idle_under and not all(allowed) \
-                and all(r.pending_prefill_tokens <= 0.0 for r in replicas):
+        if (idle_fleet and idle_under and not all(allowed)
+                and self.idle_cap_recompute_tokens is not None):
             allowed = self._spare_held(rows, allowed)
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
