@@ -437,9 +437,9 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
 def turns_of_a_long_context(policy: Policy, z_queued: float,
                             context_chars: int = 160_000) -> dict[str, int]:
     """After a window in which "x" took all the prefill: 40 requests sharing a context of
-    `context_chars` characters (40k tokens) that "x" holds, each with its own 256-token
-    suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued: how many
-    each got."""
+    `context_chars` characters (by default 40k tokens) that "x" holds, each with its own
+    256-token suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued:
+    how many each got."""
     router = Router(["x", "y", "z"], policy, block_chars=128)
     x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
                   ReplicaView(name="z", pending_prefill_tokens=1e5)]
