@@ -434,6 +434,16 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
     assert counts["y"] > 0, counts
 
 
+def fill_the_window_on_x(router: Router, prompt_chars: int) -> None:
+    """12 cold prompts of `prompt_chars` characters, each sent to "x" while "y" and "z" have
+    far more prefill queued: the cap's window (10 decisions) is then all "x"'s."""
+    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
+                  ReplicaView(name="z", pending_prefill_tokens=1e5)]
+    for i in range(12):
+        prompt = f"a{i:04d}" * (prompt_chars // 6)
+        assert router.route(router.request_from_text(prompt), x_cheapest).replica == "x"
+
+
 def turns_of_a_long_context(policy: Policy, z_queued: float,
                             context_chars: int = 160_000) -> dict[str, int]:
     """After a window in which "x" took all the prefill: 40 requests sharing a context of
@@ -441,11 +451,7 @@ def turns_of_a_long_context(policy: Policy, z_queued: float,
     256-token suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued:
     how many each got."""
     router = Router(["x", "y", "z"], policy, block_chars=128)
-    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
-                  ReplicaView(name="z", pending_prefill_tokens=1e5)]
-    for i in range(12):
-        assert router.route(router.request_from_text(f"a{i:04d}" * 10_000),
-                            x_cheapest).replica == "x"
+    fill_the_window_on_x(router, prompt_chars=60_000)
     context = "c" * context_chars
     router.record("x", router.request_from_text(context).hashes)
     views = [ReplicaView(name="x"), ReplicaView(name="y"),
@@ -486,11 +492,7 @@ def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> 
     prompt = "long" * 10_000
     if x_holds_chars:
         router.record("x", router.request_from_text(prompt[:x_holds_chars]).hashes)
-    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e4),
-                  ReplicaView(name="z", pending_prefill_tokens=1e4)]
-    for i in range(12):
-        assert router.route(router.request_from_text(f"a{i:04d}" * 400),
-                            x_cheapest).replica == "x"
+    fill_the_window_on_x(router, prompt_chars=2_400)
     views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3),
              ReplicaView(name="z", pending_prefill_tokens=5000.0)]
     return router.route(router.request_from_text(prompt), views).replica
