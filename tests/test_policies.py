@@ -300,6 +300,24 @@ def test_balance_weight_prices_the_recent_prefill_against_the_step_wait() -> Non
     assert tie_goes_to(balance_weight=0.2) == "y"
 
 
+def test_a_tie_exactly_tie_tokens_apart_is_a_tie_whatever_the_step_wait() -> None:
+    # A cold 1,024-token prompt costs 1,024 on "x" and, with two requests in flight at 256
+    # tokens each and the weight at 1, 1,536 on "y": exactly tie_tokens (512) apart, a tie.
+    # The steps in flight end 1,002.8 and 902.8 tokens from now, and the recent prefill on
+    # "x" (a 25k-token prompt, about 750 at balance_weight 0.03) gives the tie to "y". Tie
+    # costs were once the cost less the step wait, and 1,536 + 902.8 - 902.8 is
+    # 1,536.0000000000002: past the boundary, "y" was no tie and the request went to "x".
+    router = Router(["x", "y"], build_policy(
+        "prefix_affinity", {"load_weight": 1.0, "idle_load_weight": 1.0}), block_chars=128)
+    first = router.route(router.request_from_text("c" * 100_000),
+                         [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5)])
+    assert first.replica == "x"
+    views = [ReplicaView(name="x", step_wait_tokens=1002.8),
+             ReplicaView(name="y", inflight=2, step_wait_tokens=902.8)]
+    decision = router.route(router.request_from_text("d" * 4096), views)
+    assert decision.replica == "y"
+
+
 # -- tie_inflight_tokens: decoding requests at their cost to the request ---------------------
 
 

@@ -20,9 +20,9 @@ from routing.types import (
     RoutingRequest,
 )
 
-Row = tuple[float, int, int, float, bool, str, float, float]
+Row = tuple[float, int, int, float, bool, str, float, float, float]
 """A replica as one decision sees it: (cost, matched, rendezvous weight, uncached, eligible,
-name, step wait, tie cost)."""
+name, step wait, tie cost, cost without the step wait)."""
 
 
 class PrefixAffinitySettings(PolicySettings):
@@ -261,11 +261,6 @@ class PrefixAffinity(Policy):
         own_exponent = 1.0 - busy
         # The speed each replica's own prefill is priced at (None: priced whole everywhere).
         priced = speeds if own else self._outlier_speeds(speeds, slowest, fastest, busy)
-        # Off a mixed fleet the step's cost is taken off again, so that a replica priced at the
-        # pool's rate costs exactly its uncached tokens, as without the outliers: ties are
-        # judged at whole-token boundaries, and an offset on every cost rounded one of them
-        # the other way (slow Mooncake 1.928 to 1.884 s).
-        step_offset = 0.0 if own else self.own_speed_step_tokens
         # Ties price them lower still, but only as far as the fleet is idle: behind a queue the
         # request's own step is no longer what it waits for, and the requests in flight stand
         # for work whose drain is only estimated (a replica three times slower, its speed not
@@ -299,9 +294,12 @@ class PrefixAffinity(Policy):
             # queued: on an idle fleet the request's own prefill there is its TTFT; on a busy
             # one a miss is work every later request pays for wherever it runs.
             uncached_cost = (uncached if priced is None else
-                             (uncached + self.own_speed_step_tokens) / own_rate ** own_exponent
-                             - step_offset)
-            cost = uncached_cost + w * queue + wait
+                             (uncached + self.own_speed_step_tokens) / own_rate ** own_exponent)
+            # Kept apart for the ties, which are judged without the step wait: taken off the
+            # cost again, it rounded, and costs exactly tie_tokens apart (whole tokens, as
+            # cold prompts on idle replicas are) fell on either side of the boundary.
+            plain = uncached_cost + w * queue
+            cost = plain + wait
             # Without the step wait, and the requests in flight at the tie price (read only
             # when the replicas tie on a match longer than zero).
             tie_cost = 0.0 if tie_per_request is None else (
@@ -312,7 +310,7 @@ class PrefixAffinity(Policy):
                 # little of every step's time. A long match buys room in proportion.
                 eligible = r.inflight < bound + int(matched_tokens / allowance)
             rows.append((cost, matched, rendezvous.weight(key, r.name), uncached, eligible,
-                         r.name, wait, tie_cost))
+                         r.name, wait, tie_cost, plain))
 
         if (self.time_cap is not None and self._decisions >= self.balance_horizon
                 and (self.time_cap_mixed_speeds or not mixed)
@@ -353,7 +351,7 @@ class PrefixAffinity(Policy):
         if top > 0 and tie_per_request is not None:
             tie_costs = [row[7] for row in longest]
         else:
-            tie_costs = [row[0] - row[6] for row in longest]
+            tie_costs = [row[8] for row in longest]
         cheapest = min(tie_costs)
         ties = [row for row, tie_cost in zip(longest, tie_costs, strict=True)
                 if tie_cost <= cheapest + self.tie_tokens]
