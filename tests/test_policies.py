@@ -381,11 +381,11 @@ def test_a_holder_with_more_in_flight_still_loses_to_an_idle_non_holder() -> Non
 # -- time_cap: the prefill imbalance by time held to a cap ------------------------------------
 
 
-def capped(time_cap: float | None, mixed_speeds: bool = False) -> Policy:
-    """prefix_affinity at its defaults with `time_cap` (None: none) and a window of 10
-    decisions, so that the cap acts from the tenth request."""
+def capped(time_cap: float | None, mixed_speeds: bool = False, **settings: object) -> Policy:
+    """prefix_affinity at its defaults (but `settings`) with `time_cap` (None: none) and a
+    window of 10 decisions, so that the cap acts from the tenth request."""
     return build_policy("prefix_affinity", {"time_cap": time_cap, "balance_horizon": 10,
-                                            "time_cap_mixed_speeds": mixed_speeds})
+                                            "time_cap_mixed_speeds": mixed_speeds, **settings})
 
 
 def route_hot_prefix(time_cap: float | None, n: int = 40, y_queued: float = 0.0,
@@ -458,7 +458,7 @@ def fill_the_window_on_x(router: Router, prompt_chars: int) -> None:
     x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
                   ReplicaView(name="z", pending_prefill_tokens=1e5)]
     for i in range(12):
-        prompt = f"a{i:04d}" * (prompt_chars // 6)
+        prompt = f"a{i:04d}" * (prompt_chars // 5)
         assert router.route(router.request_from_text(prompt), x_cheapest).replica == "x"
 
 
@@ -469,7 +469,7 @@ def turns_of_a_long_context(policy: Policy, z_queued: float,
     256-token suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued:
     how many each got."""
     router = Router(["x", "y", "z"], policy, block_chars=128)
-    fill_the_window_on_x(router, prompt_chars=60_000)
+    fill_the_window_on_x(router, prompt_chars=50_000)
     context = "c" * context_chars
     router.record("x", router.request_from_text(context).hashes)
     views = [ReplicaView(name="x"), ReplicaView(name="y"),
@@ -486,8 +486,7 @@ def test_on_an_idle_pool_the_cap_does_not_send_a_long_held_context_to_be_compute
     # compute its 40k held tokens again (seconds of TTFT instead of a fraction of one), with
     # nothing queued anywhere for the balance to spare.
     assert turns_of_a_long_context(capped(1.15), z_queued=0.0) == {"x": 40, "y": 0, "z": 0}
-    without = build_policy("prefix_affinity", {"time_cap": 1.15, "balance_horizon": 10,
-                                               "idle_cap_recompute_tokens": None})
+    without = capped(1.15, idle_cap_recompute_tokens=None)
     assert turns_of_a_long_context(without, z_queued=0.0)["y"] > 0
     # With prefill queued somewhere the cap holds the balance as before: idle "y" takes its
     # share, which spreads a hot context to a second replica for the requests to come.
@@ -510,7 +509,7 @@ def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> 
     prompt = "long" * 10_000
     if x_holds_chars:
         router.record("x", router.request_from_text(prompt[:x_holds_chars]).hashes)
-    fill_the_window_on_x(router, prompt_chars=2_400)
+    fill_the_window_on_x(router, prompt_chars=2_000)
     views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3),
              ReplicaView(name="z", pending_prefill_tokens=5000.0)]
     return router.route(router.request_from_text(prompt), views).replica

@@ -22,7 +22,8 @@ from routing.types import (
 
 Row = tuple[float, int, int, float, bool, str, float, float, float]
 """A replica as one decision sees it: (cost, matched, rendezvous weight, uncached, eligible,
-name, step wait, tie cost, cost without the step wait)."""
+name, step wait, tie cost between holders (without the step wait, requests in flight at the
+tie price), cost without the step wait)."""
 
 
 class PrefixAffinitySettings(PolicySettings):
