@@ -92,8 +92,9 @@ class RoutingSettings(BaseModel):
         False, description="account in each replica's prefix index as its engine does: a "
         "running request's prefix is pinned from its first token until it finishes (the "
         "engine keeps those KV blocks), and the prefill still queued there gets room (the "
-        "engine holds none of it yet); false: a plain LRU over what was sent. For one "
-        "gateway per pool: gateways sharing routing state do not share their pins yet"
+        "engine holds none of it yet); false: a plain LRU over what was sent. Gateways "
+        "sharing routing state (and the workers of one gateway) pin each other's running "
+        "requests' prefixes too"
     )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(
@@ -592,7 +593,8 @@ class SharedRoutingConfig(_Strict):
     load_ttl_s: float = Field(3.0, ge=0.1, le=600, description="a gateway's published load "
                               "older than this is ignored (a gateway that stopped or lost "
                               "Redis); it republishes unchanged load every third of it")
-    max_queue: int = Field(10_000, ge=100, le=1_000_000, description="prefix inserts waiting "
+    max_queue: int = Field(10_000, ge=100, le=1_000_000, description="prefix inserts (and, "
+                           "with pin_running, the ends of the requests holding them) waiting "
                            "to be written; beyond it (Redis slow or away) the oldest are "
                            "dropped and counted")
     stream_max_entries: int = Field(10_000, ge=100, le=10_000_000, description="entries "

@@ -33,7 +33,18 @@ scored by their last heartbeat): every `_PEERS_EVERY_S` the reader refreshes its
 (and the expiry of its streams) and reads which others are there, so that a gateway that
 starts is read within about two seconds, and one silent for `_PEER_TTL_S` is dropped.
 
-Inserts wait in a bounded queue, the oldest dropped (and counted) when Redis is slow or away.
+With `pin_running`, each insert a gateway's request holds while it runs is marked so (a
+fifth item, 1), and the end of that request is written as a release (`e`: its replica and
+the last hash of its prefix). The others pin the prefix in their index from the insert to
+the release, as the engine holds it and as the gateway that sent it pins it: without that,
+each gateway's index let go of what the others' running requests held, and three gateways
+sent fewer warm requests where one would. A gateway releases every pin of another that
+leaves the registry, and all of them when Redis goes away or entries were lost (their
+releases with them); one that dropped a release from its full queue says so on its next
+write (`x`), and the others release all of its pins (`Router.release_remote_pins`).
+
+Inserts and releases wait in a bounded queue, the oldest dropped (and counted) when Redis is
+slow or away.
 Each carries the time its gateway decided it; the reader observes the time from there to its
 being applied (`gateway_shared_state_lag_seconds`). When Redis goes away, the tasks log it
 once (and once when it returns), the gateway routes on its own state (the other gateways'
@@ -71,9 +82,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefix_gateway.shared")
 
-Insert = tuple[str, str, float, Sequence[int], float]
+Insert = tuple[str, str, float, Sequence[int], float, bool]
 """A prefix routed here: (pool, replica, decided at (time.time()), block hashes, uncached
-prompt tokens it cost the replica)."""
+prompt tokens it cost the replica, held: a request holds it there until its `Release`)."""
+Release = tuple[str, str, int]
+"""A request whose prefix was routed `held` ended: (pool, replica, its last block hash)."""
+Shared = Insert | Release
+"""What a gateway queues to share, in the order it happened."""
 
 MESSAGES = Messages(
     log,
@@ -128,23 +143,41 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def by_pool(batch: Sequence[Insert]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), the
-    queued tuples' tails as they are (orjson writes tuples as arrays). Gateways write them to
-    Redis, workers without it to their files (gateway/workerprefixes.py)."""
+def by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), and a
+    fifth item, 1, when a request holds the prefix until its release (`releases_by_pool`).
+    Gateways write them to Redis, workers without it to their files
+    (gateway/workerprefixes.py); orjson writes the tuples and hashes as arrays."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     for item in batch:
-        out.setdefault(item[0], []).append(item[1:])
+        if len(item) == 6:
+            pool, replica, at, hashes, uncached, held = item  # type: ignore[misc]
+            out.setdefault(pool, []).append(
+                (replica, at, hashes, uncached, 1) if held else (replica, at, hashes, uncached))
+    return out
+
+
+def releases_by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[str, int]]]:
+    """Each pool's releases as written: (replica, last block hash) of each request ended
+    that held its prefix, in order."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for item in batch:
+        if len(item) == 3:
+            out.setdefault(item[0], []).append((item[1], item[2]))  # type: ignore[misc]
     return out
 
 
 def apply_inserts(router: Router, observer: Observer, pool: str, items: Sequence[Any],
-                  lag_since: float | None) -> None:
+                  lag_since: float | None, source: str | None = None) -> None:
     """Record in `router` the inserts another gateway (or worker) wrote, as `by_pool` gives
-    them, and count them; with `lag_since`, observe the lag of those decided since then."""
+    them, and count them; with `lag_since`, observe the lag of those decided since then.
+    With `source`, the one that wrote them, a prefix held by its request is pinned (with
+    `pin_running`) until the release comes; without, nothing is pinned (inserts published
+    again: their requests may have ended, and their releases gone by)."""
     # No uncached tokens: an older gateway's entry.
     applied = router.apply_remote_inserts(
-        (item[0], item[2], item[3] if len(item) > 3 else 0.0) for item in items)
+        ((item[0], item[2], item[3] if len(item) > 3 else 0.0, len(item) > 4 and item[4] == 1)
+         for item in items), source)
     observer.shared_inserts(pool, "applied", applied)
     if lag_since is None:
         return
@@ -179,9 +212,11 @@ class SharedRouting:
         """When the reader last read the registry (monotonic)."""
         self._heartbeat_at = -_PEERS_EVERY_S
         """When this gateway last said it is alive (monotonic)."""
-        self.queue: deque[Insert] = deque()
-        """(pool, replica, decided at (time.time()), block hashes, uncached tokens), oldest
-        first."""
+        self.queue: deque[Shared] = deque()
+        """Inserts and releases to write, oldest first."""
+        self._lost_releases: set[str] = set()
+        """Pools a release was dropped from (the queue full): the next write of each tells
+        the others to release every pin of this gateway's (`x`), not to hold one for good."""
         self.recent: deque[tuple[str, int, bytes]] = deque()
         """The last inserts this gateway published, to publish again when a peer asks: (pool,
         inserts, their JSON array) per write, oldest first, about `resync_inserts` in all.
@@ -217,28 +252,44 @@ class SharedRouting:
         self._failures: set[str] = set()
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
+            pool.router.on_release = self._releaser(pool.name)
 
     # On the request's path: one append ----------------------------------------------------
 
     def _stream(self, pool: str, gateway: str) -> str:
         return self.link.key("routing", pool, "inserts", gateway)
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool], None]:
         queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
 
         wake = self._wake
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
             if not queue:
                 wake.set()
             elif len(queue) >= cap:
                 dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes, uncached))
+            queue.append((pool, replica, now(), hashes, uncached, held))
 
         return recorded
 
-    def _dropped(self, item: Insert) -> None:
-        self.observer.shared_inserts(item[0], "dropped", 1)
+    def _releaser(self, pool: str) -> Callable[[str, int], None]:
+        queue, cap, dropped = self.queue, self.settings.max_queue, self._dropped
+
+        def released(replica: str, last: int) -> None:
+            # Not woken for: the next write takes it (the load changed as the request ended,
+            # and is looked at within `load_interval_s`).
+            if len(queue) >= cap:
+                dropped(queue.popleft())
+            queue.append((pool, replica, last))
+
+        return released
+
+    def _dropped(self, item: Shared) -> None:
+        if len(item) == 3:
+            self._lost_releases.add(item[0])
+        else:
+            self.observer.shared_inserts(item[0], "dropped", 1)
 
     # Running ------------------------------------------------------------------------------
 
@@ -276,6 +327,8 @@ class SharedRouting:
             self._loads = {name: {} for name in self.pools}
             for pool in self.pools.values():
                 pool.router.apply_remote_load({})
+                # Their requests' ends are not read meanwhile: pins held for them would stay.
+                pool.router.release_remote_pins()
             self._own_load = {}  # publish it again as soon as Redis is back
             self._own_rates = {}
             self._check_gap = True
@@ -405,10 +458,16 @@ class SharedRouting:
         commands: list[tuple[Any, ...]] = []
         heartbeat_due = time.monotonic() - self._heartbeat_at >= _PEERS_EVERY_S
         encoded = {name: orjson.dumps(items, default=list) for name, items in pools.items()}
+        releases = releases_by_pool(batch)
+        lost = set(self._lost_releases)
         for name in self.pools:
             fields: list[Any] = []
+            if name in lost:  # before the inserts and releases that follow it
+                fields += ["x", "1"]
             if name in encoded:
                 fields += ["d", encoded[name]]
+            if name in releases:
+                fields += ["e", orjson.dumps(releases[name])]
             if name in loads:
                 fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
             if name in rates:
@@ -434,6 +493,7 @@ class SharedRouting:
                 self._republish_at = self._republish_at or time.monotonic()
             raise
         self.link.mark_up()
+        self._lost_releases -= lost
         if heartbeat_due:
             self._heartbeat_at = time.monotonic()
         self._own_load.update(loads)
@@ -508,6 +568,9 @@ class SharedRouting:
             return
         if peers - self.peers:
             self._own_rates = {}  # a newcomer learns what this gateway knows at its next write
+        for gateway in self.peers - peers:  # its requests' ends will not be read
+            for pool in self.pools.values():
+                pool.router.release_remote_pins(gateway)
         for name, theirs in self._rates.items():
             gone = theirs.keys() - peers
             for gateway in gone:
@@ -557,7 +620,7 @@ class SharedRouting:
                 raise reply
         return replies
 
-    def _requeue(self, batch: list[Insert]) -> None:
+    def _requeue(self, batch: list[Shared]) -> None:
         """Put unwritten inserts back before those queued since, keeping the newest."""
         queue = self.queue
         queue.extendleft(reversed(batch))
@@ -606,11 +669,17 @@ class SharedRouting:
                 value = orjson.loads(raw_load)
                 loads[fields[b"g"]] = (float(value["t"]), value["r"])
                 load_changed = True
-            if b"d" not in fields:
-                continue
-            # Published again (b"r"): its lag is the outage's, not the sharing's.
-            apply_inserts(router, self.observer, pool_name, orjson.loads(fields[b"d"]),
-                          None if b"r" in fields else self.started_at)
+            source = fields[b"g"].decode()
+            if b"x" in fields:  # it dropped a release: what it holds here is not known
+                router.release_remote_pins(source)
+            if b"d" in fields:
+                # Published again (b"r"): its lag is the outage's, not the sharing's, and its
+                # requests may have ended since (their releases read, or lost): none pinned.
+                again = b"r" in fields
+                apply_inserts(router, self.observer, pool_name, orjson.loads(fields[b"d"]),
+                              None if again else self.started_at, None if again else source)
+            if b"e" in fields:
+                router.apply_remote_releases(source, orjson.loads(fields[b"e"]))
         if rates_changed:
             router.apply_remote_rates(sum_rates(self._rates[pool_name].values()))
         return pool_name if load_changed else None
@@ -640,6 +709,8 @@ class SharedRouting:
             added = info.get("last-generated-id") or b"0-0"
             if _id(added) > _id(last) and (not first or _id(first[0]) > _id(last)):
                 missed.append(pool)
+        for pool in missed:  # the lost entries may have released pins held here
+            self.pools[pool].router.release_remote_pins()
         if missed:
             log.info("shared routing state: entries of pools %s were lost while this gateway "
                      "was away from Redis; asking the other gateways to publish theirs again",

@@ -20,6 +20,12 @@ has requests in flight), each worker:
   routers as the shared routing state applies other gateways' (`Router.apply_remote_inserts`,
   `Router.apply_remote_rates`).
 
+With `pin_running`, the lines carry the ends of the requests that held their prefixes too
+(`e`, as the shared routing state's releases) and a worker pins the others' running
+requests' prefixes until they end, or until their worker's file leaves the listing (it
+stopped or died: its requests ended with it). A dead worker's prefixes that its replacement
+applies are not pinned.
+
 A file that grows past `max_bytes` starts again: the worker writes the next line, headed by
 its current rates, to a new file and renames it over the old one. A reader keeps the old file
 open, reads it to its end, then opens the new one: nothing written is missed, unless a
@@ -50,10 +56,11 @@ from backends.pool import Pool
 from gateway.observe import Observer
 from gateway.shared_routing import (
     RATES_INTERVAL_S,
-    Insert,
+    Shared,
     apply_inserts,
     by_pool,
     encode_rates,
+    releases_by_pool,
 )
 from routing.steps import sum_rates
 
@@ -89,6 +96,9 @@ class _Peer:
     """The start of a line whose newline was not written yet."""
     rates: dict[str, Any] = field(default_factory=dict)
     """Pool -> what that worker last said it learned of the replicas' rates."""
+    source: str | None = None
+    """Whose pins its prefixes hold here (its file's path); None: a dead worker's, read
+    once, whose requests ended with it (nothing pinned)."""
 
 
 class WorkerPrefixes:
@@ -106,7 +116,10 @@ class WorkerPrefixes:
         self._tmp = str(self.directory / f".{self.pid}{SUFFIX}.tmp")
         self.max_bytes = max_bytes
         self.max_queue = max_queue
-        self.queue: deque[Insert] = deque()
+        self.queue: deque[Shared] = deque()
+        self._lost_releases: set[str] = set()
+        """Pools a release was dropped from: the next line tells the others to release every
+        pin of this worker's there (`x`)."""
         self.started_at = time.time()
         self._fd: int | None = None
         self._size = 0
@@ -119,18 +132,35 @@ class WorkerPrefixes:
         self._read_retired = False
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
+            pool.router.on_release = self._releaser(pool.name)
 
     # On the request's path: one append ----------------------------------------------------
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float], None]:
-        queue, cap, now, observer = self.queue, self.max_queue, time.time, self.observer
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool], None]:
+        queue, cap, now, dropped = self.queue, self.max_queue, time.time, self._dropped
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
             if len(queue) >= cap:
-                observer.shared_inserts(queue.popleft()[0], "dropped", 1)
-            queue.append((pool, replica, now(), hashes, uncached))
+                dropped(queue.popleft())
+            queue.append((pool, replica, now(), hashes, uncached, held))
 
         return recorded
+
+    def _releaser(self, pool: str) -> Callable[[str, int], None]:
+        queue, cap, dropped = self.queue, self.max_queue, self._dropped
+
+        def released(replica: str, last: int) -> None:
+            if len(queue) >= cap:
+                dropped(queue.popleft())
+            queue.append((pool, replica, last))
+
+        return released
+
+    def _dropped(self, item: Shared) -> None:
+        if len(item) == 3:
+            self._lost_releases.add(item[0])
+        else:
+            self.observer.shared_inserts(item[0], "dropped", 1)
 
     @property
     def pending(self) -> bool:
@@ -144,10 +174,18 @@ class WorkerPrefixes:
         changed: one line, none when there is nothing new."""
         line: dict[str, Any] = {}
         written: dict[str, int] = {}
+        releases: dict[str, list[tuple[str, int]]] = {}
+        lost = set(self._lost_releases)
+        if lost:
+            line["x"] = sorted(lost)
         if self.queue:
             pools = by_pool(self.queue)
+            releases = releases_by_pool(self.queue)
             self.queue.clear()
-            line["d"] = pools
+            if pools:
+                line["d"] = pools
+            if releases:
+                line["e"] = releases
             written = {name: len(items) for name, items in pools.items()}
         rates = self._rates_due()
         if rates:
@@ -163,7 +201,9 @@ class WorkerPrefixes:
         except OSError:
             for name, count in written.items():
                 self.observer.shared_inserts(name, "dropped", count)
+            self._lost_releases.update(releases)
             raise
+        self._lost_releases -= lost
         for name, count in written.items():
             self.observer.shared_inserts(name, "published", count)
 
@@ -269,7 +309,7 @@ class WorkerPrefixes:
 
     def _open(self, path: str, rates: dict[str, Any]) -> _Peer:
         fd = os.open(path, os.O_RDONLY)
-        peer = self._peers[path] = _Peer(fd, os.fstat(fd).st_ino, rates=rates)
+        peer = self._peers[path] = _Peer(fd, os.fstat(fd).st_ino, rates=rates, source=path)
         return peer
 
     def _leave(self, path: str) -> None:
@@ -277,6 +317,8 @@ class WorkerPrefixes:
         what it appended since the last read first, from the file still open."""
         self._drain(self._peers[path], rates=False)
         self._forget(path)
+        for pool in self.pools.values():  # its requests ended with it
+            pool.router.release_remote_pins(path)
 
     def _forget(self, path: str) -> None:
         peer = self._peers.pop(path)
@@ -300,18 +342,29 @@ class WorkerPrefixes:
             except orjson.JSONDecodeError as exc:  # not written by a worker of this version
                 log.debug("unreadable line in a worker's prefixes: %s", exc)
                 continue
-            if "d" in entry:
-                self._apply(entry["d"])
+            self._apply(entry, peer.source)
             if rates and "s" in entry:
                 peer.rates.update(entry["s"])
                 rates_changed = True
         return rates_changed
 
-    def _apply(self, pools: dict[str, list[list[Any]]]) -> None:
-        for name, items in pools.items():
+    def _apply(self, entry: dict[str, Any], source: str | None) -> None:
+        """One line of another worker's: first `x`, the pools where it dropped a release
+        (what it holds there is no longer known), then its inserts, then its releases."""
+        for name in entry.get("x", ()):
+            pool = self.pools.get(name)
+            if pool is not None and source is not None:
+                pool.router.release_remote_pins(source)
+        for name, items in entry.get("d", {}).items():
             pool = self.pools.get(name)
             if pool is not None:
-                apply_inserts(pool.router, self.observer, name, items, self.started_at)
+                apply_inserts(pool.router, self.observer, name, items, self.started_at, source)
+        if source is None:
+            return
+        for name, releases in entry.get("e", {}).items():
+            pool = self.pools.get(name)
+            if pool is not None:
+                pool.router.apply_remote_releases(source, releases)
 
     # Stopping -----------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class _Message:
     inserts: bytes | None
     load: bytes | None
     rates: bytes | None = None
+    releases: bytes | None = None
 
 
 class _Writer:
@@ -59,7 +60,8 @@ class _Writer:
                  "sleep_end")
 
     def __init__(self, start: float) -> None:
-        self.queue: list[tuple[str, list[int], float]] = []
+        self.queue: list[tuple[Any, ...]] = []
+        """(replica, hashes, uncached, held) inserts and (replica, last hash) releases."""
         self.sleep_end = -math.inf  # when the sleep after its last write ends
         self.next_load = start  # when it next looks at its load
         self.due = start  # when it next runs one iteration (looks, and writes if it must)
@@ -98,6 +100,7 @@ class Gateways:
         if self._on:
             for g, router in enumerate(self.routers):
                 router.on_record = self._recorder(g)
+                router.on_release = self._releaser(g)
 
     def gateway_of(self, k: int) -> int:
         return k % len(self.routers)
@@ -105,12 +108,20 @@ class Gateways:
     def _recorder(self, g: int) -> Any:
         writer = self._writers[g]
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float) -> None:
-            writer.queue.append((replica, list(hashes), uncached))
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
+            writer.queue.append((replica, list(hashes), uncached, held))
             # The first insert queued wakes the writer (when its sleep is over).
             writer.due = min(writer.due, max(self.now, writer.sleep_end))
 
         return recorded
+
+    def _releaser(self, g: int) -> Any:
+        writer = self._writers[g]
+
+        def released(replica: str, last: int) -> None:
+            writer.queue.append((replica, last))  # written with the next write, as there
+
+        return released
 
     def changed(self, g: int, t: float) -> None:
         """Gateway g's load changed at t: with a load interval of 0 its writer looks now."""
@@ -161,9 +172,14 @@ class Gateways:
                 if learned != w.last_rates:
                     rates = w.last_rates = learned
         if batch or load is not None or rates is not None:
-            # As shared_routing.by_pool writes them: [replica, decided at, hashes, uncached].
-            inserts = orjson.dumps([(rep, t, h, u) for rep, h, u in batch]) if batch else None
-            self._messages.append(_Message(t + s.delay_s, g, inserts, load, rates))
+            # As shared_routing.by_pool writes them: [replica, decided at, hashes, uncached,
+            # and 1 when held], and releases_by_pool: [replica, last hash].
+            items = [(rep, t, h, u, 1) if held else (rep, t, h, u)
+                     for rep, h, u, held in (i for i in batch if len(i) == 4)]
+            ended = [i for i in batch if len(i) == 2]
+            self._messages.append(_Message(
+                t + s.delay_s, g, orjson.dumps(items) if items else None, load, rates,
+                orjson.dumps(ended) if ended else None))
         w.sleep_end = t + s.flush_interval_s
         timer = max(w.sleep_end, w.next_load) if s.load_interval_s > 0.0 else math.inf
         w.due = timer if not w.queue else w.sleep_end
@@ -213,7 +229,10 @@ class Gateways:
                 rates_changed = True
             if m.inserts is not None:
                 router.apply_remote_inserts(
-                    (item[0], item[2], item[3]) for item in orjson.loads(m.inserts))
+                    ((item[0], item[2], item[3], len(item) > 4) for item in
+                     orjson.loads(m.inserts)), str(m.gateway))
+            if m.releases is not None:
+                router.apply_remote_releases(str(m.gateway), orjson.loads(m.releases))
         r.cursor = i
         if load_changed:
             router.apply_remote_load(sum_loads(r.loads.values()))

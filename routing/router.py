@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from routing.hashing import char_block_hashes, key_hash
 from routing.load import NO_LOAD, LoadTracker, RemoteLoad
@@ -11,6 +12,10 @@ from routing.policies.base import decide
 from routing.prefix_index import PrefixIndex
 from routing.steps import DECODE_AGREES, POOL_RATE_KEY, RateSums
 from routing.types import REASON_RETRY, Decision, ReplicaView, RoutingRequest
+
+REMOTE_PINS_PER_SOURCE = 65536
+"""Prefixes another gateway's running requests may hold pinned in a router at once: past
+it (its releases lost, it never said so) the oldest are released."""
 
 
 class Router:
@@ -56,10 +61,19 @@ class Router:
         self._room_block_tokens = 0.0
         """Tokens per block of the last prefix recorded (a pool hashes all its requests
         alike): the unit of the room an index lends to queued prefill (`pin_running`)."""
-        self.on_record: Callable[[str, Sequence[int], float], None] | None = None
+        self.on_record: Callable[[str, Sequence[int], float, bool], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with
-        the uncached prompt tokens it costs there, after its own index has it: how the gateway
-        shares its decisions with other gateways."""
+        the uncached prompt tokens it costs there and whether a request holds it there until
+        `on_release` says it ended (its decision's, with `pin_running`), after its own index
+        has it: how the gateway shares its decisions with other gateways."""
+        self.on_release: Callable[[str, int], None] | None = None
+        """Told, with `pin_running`, when a request whose prefix `on_record` reported held
+        ends: its replica and the last of its block hashes (a chained hash names the whole
+        prefix). Gateways sharing routing state pin what the others' requests hold while
+        they run, as each pins its own."""
+        self._remote_pins: dict[str, dict[tuple[str, int], list[Any]]] = {}
+        """Other gateway (or worker) -> (replica, last hash) -> [its hashes, requests holding
+        them]: the pins of their running requests, released when they end or leave."""
         for name in replicas:
             self.add_replica(name)
 
@@ -145,14 +159,15 @@ class Router:
         it runs, with `pin_running`), the replica's index records them, the policy is told."""
         decision.hashes = request.hashes
         self.record(decision.replica, request.hashes, decision.uncached_tokens,
-                    request.block_tokens)
+                    request.block_tokens, held=self.pin_running)
         self.policy.on_routed(request, decision)
 
     def record(self, replica: str, hashes: Sequence[int], uncached_tokens: float = 0.0,
-               block_tokens: float = 0.0) -> None:
+               block_tokens: float = 0.0, held: bool = False) -> None:
         """Note that `replica` now holds the prefix `hashes`, which cost it `uncached_tokens`
         of prefill (`commit` does this); `block_tokens`, the tokens in one of those blocks,
-        sizes the room `pin_running` lends to prefill not computed yet (0: none)."""
+        sizes the room `pin_running` lends to prefill not computed yet (0: none); `held`: a
+        request holds it there until `finished` (`on_release`)."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
             if self.pin_running and block_tokens > 0.0:
@@ -162,7 +177,7 @@ class Router:
                 index.room = self._room(replica, uncached_tokens)
             index.insert(hashes)
             if self.on_record is not None:
-                self.on_record(replica, hashes, uncached_tokens)
+                self.on_record(replica, hashes, uncached_tokens, held)
 
     def _room(self, replica: str, unsent_tokens: float = 0.0) -> int:
         """The blocks `replica`'s index lends to prefill queued there: sent, by this gateway
@@ -181,27 +196,95 @@ class Router:
 
     # What other gateways decided (shared routing state) --------------------------------------
 
-    def apply_remote_inserts(self, inserts: Iterable[tuple[str, Sequence[int], float]]) -> int:
+    def apply_remote_inserts(self, inserts: Iterable[tuple[Any, ...]],
+                             source: str | None = None) -> int:
         """Record prefixes other gateways sent to replicas of this pool, (replica, hashes,
-        uncached prompt tokens it cost there), as if routed here: no `on_record` (they are
-        not this router's decisions), and the policy is told through `on_remote_routed` only,
-        so that what it balances on counts the whole fleet's decisions, as one gateway's
+        uncached prompt tokens it cost there[, held]), as if routed here: no `on_record` (they
+        are not this router's decisions), and the policy is told through `on_remote_routed`
+        only, so that what it balances on counts the whole fleet's decisions, as one gateway's
         would. Replicas this router does not know (removed, or not in its configuration) are
-        skipped. Returns the inserts applied."""
+        skipped. With `pin_running`, a prefix `held` by a request of `source` (the gateway or
+        worker that sent it) is pinned there until that request ends
+        (`apply_remote_releases`) or `source` leaves (`release_remote_pins`). Returns the
+        inserts applied."""
         applied = 0
         indexes = self.indexes
         tell = self.policy.on_remote_routed if self._tell_remote else None
         pin_running = self.pin_running
-        for replica, hashes, uncached in inserts:
+        pins = self._remote_pins.setdefault(source, {}) if (
+            pin_running and source is not None) else None
+        for replica, hashes, uncached, *held in inserts:
             index = indexes.get(replica)
             if index is not None and hashes:
                 if pin_running:  # queued there too, as in `record`
                     index.room = self._room(replica, uncached)
                 index.insert(hashes)
+                if pins is not None and held and held[0]:
+                    self._pin_remote(pins, index, replica, hashes)
                 applied += 1
                 if tell is not None:
                     tell(replica, uncached)
         return applied
+
+    def _pin_remote(self, pins: dict[tuple[str, int], list[Any]], index: PrefixIndex,
+                    replica: str, hashes: Sequence[int]) -> None:
+        """Pin, from the other gateway's decision on, what its request holds: its own pin
+        comes at the first token, but its blocks queued until then are lent room here as
+        there, and a request abandoned before it is released all the same."""
+        key = (replica, hashes[-1])
+        held = pins.get(key)
+        if held is None:
+            if len(pins) >= REMOTE_PINS_PER_SOURCE:  # its releases were lost: the oldest go
+                old_key, (old_hashes, count) = next(iter(pins.items()))
+                del pins[old_key]
+                self._unpin_remote(old_key[0], old_hashes, count)
+            pins[key] = [hashes, 1]
+        else:
+            held[1] += 1
+        index.pin(hashes)
+
+    def _unpin_remote(self, replica: str, hashes: Sequence[int], count: int) -> None:
+        index = self.indexes.get(replica)
+        if index is not None:  # else removed since: its index went with it
+            for _ in range(count):
+                index.unpin(hashes)
+
+    def apply_remote_releases(self, source: str, releases: Iterable[tuple[str, int]]) -> int:
+        """Requests of `source` ended: (replica, last block hash) of each prefix it had sent
+        `held`. Their pins are released here (with `pin_running`); a release of nothing
+        pinned (the pin was never applied) is ignored. Returns the pins released."""
+        pins = self._remote_pins.get(source)
+        if not pins:
+            return 0
+        released = 0
+        for replica, last in releases:
+            held = pins.get((replica, last))
+            if held is None:
+                continue
+            held[1] -= 1
+            if not held[1]:
+                del pins[(replica, last)]
+            self._unpin_remote(replica, held[0], 1)
+            released += 1
+        return released
+
+    def release_remote_pins(self, source: str | None = None) -> int:
+        """Release every pin `source`'s requests hold here (None: every other gateway's): it
+        left, or its releases may have been lost (an outage, a gap in what was read).
+        Returns the requests' pins released."""
+        sources = list(self._remote_pins) if source is None else [source]
+        released = 0
+        for name in sources:
+            for (replica, _), (hashes, count) in self._remote_pins.pop(name, {}).items():
+                self._unpin_remote(replica, hashes, count)
+                released += count
+        return released
+
+    def remote_pins(self, source: str | None = None) -> int:
+        """Requests of other gateways (of `source`, or of all) whose prefixes are pinned here."""
+        groups = self._remote_pins.values() if source is None else [
+            self._remote_pins.get(source, {})]
+        return sum(count for pins in groups for _, count in pins.values())
 
     def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
         """The load other gateways have put on each replica now: replica -> (requests in
@@ -273,6 +356,8 @@ class Router:
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
                     index.unpin(decision.hashes)
+            if self.on_release is not None:
+                self.on_release(decision.replica, decision.hashes[-1])
         if self._tell_finished:
             self.policy.on_finished(decision, saw_first_token)
         if self._tell_load:

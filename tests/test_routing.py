@@ -125,12 +125,14 @@ def route_and_start(router: Router, text: str) -> tuple[RoutingRequest, Decision
     return request, decision
 
 
-def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes() -> None:
-    def flood(router: Router, n: int) -> None:
-        for i in range(n):
-            router.route(router.request_from_text(chat_text(system_prompt(100 + i), "q")),
-                         [ReplicaView(name="r0")])
+def flood(router: Router, n: int, first: int = 100) -> None:
+    """Route `n` other conversations (15 blocks each) to the one replica (64 blocks)."""
+    for i in range(first, first + n):
+        router.route(router.request_from_text(chat_text(system_prompt(i), "q")),
+                     [ReplicaView(name="r0")])
 
+
+def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes() -> None:
     for pin in (True, False):
         router = one_small_replica(pin)
         long_context, decision = route_and_start(router, chat_text(system_prompt(1), "turn 1"))
@@ -145,6 +147,76 @@ def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes
             assert router.matched_blocks("r0", long_context.hashes) == 0
         else:
             assert held == 0
+
+
+def shared_pair(pin: bool) -> tuple[Router, Router]:
+    """Two gateways' routers of one small replica, `a`'s inserts and releases applied to `b`
+    at once (as from gateway "a")."""
+    a, b = one_small_replica(pin), one_small_replica(pin)
+    a.on_record = lambda replica, hashes, cost, held: b.apply_remote_inserts(
+        [(replica, hashes, cost, held)], "a")
+    a.on_release = lambda replica, last: b.apply_remote_releases("a", [(replica, last)])
+    return a, b
+
+
+def test_another_gateways_running_request_keeps_its_prefix_in_this_index_until_it_ends() -> None:
+    """With pins shared, a gateway keeps in its index the prefix another gateway's request
+    holds on the engine while it runs, as that gateway does: the engine still has it, and
+    the next turn routed here should find it."""
+    for pin in (True, False):
+        a, b = shared_pair(pin)
+        context, decision = route_and_start(a, chat_text(system_prompt(1), "turn 1"))
+        assert b.matched_blocks("r0", context.hashes) == len(context.hashes)
+        flood(b, 8)  # b's own conversations fill its index several times over meanwhile
+        held = b.matched_blocks("r0", context.hashes)
+        if not pin:
+            assert held == 0 and b.remote_pins() == 0
+            continue
+        assert held == len(context.hashes) and b.remote_pins("a") == 1
+        a.finished(decision, True)  # its end released it: b may let it go again
+        assert b.remote_pins() == 0
+        flood(b, 8, first=200)
+        assert b.matched_blocks("r0", context.hashes) == 0
+
+
+def test_a_request_abandoned_before_its_first_token_releases_what_it_held_elsewhere() -> None:
+    a, b = shared_pair(True)
+    request = a.request_from_text(chat_text(system_prompt(1), "q"))
+    decision = a.route(request, [ReplicaView(name="r0")])
+    a.dispatched(decision, 0.0)
+    assert b.remote_pins("a") == 1  # pinned from the decision on: it is queued there
+    a.finished(decision, False)
+    assert b.remote_pins() == 0 and b.indexes["r0"].pinned_blocks == 0
+
+
+def test_pins_of_a_gateway_that_leaves_are_released_and_a_stray_release_is_ignored() -> None:
+    a, b = shared_pair(True)
+    first, _ = route_and_start(a, chat_text(system_prompt(1), "q"))
+    second, _ = route_and_start(a, chat_text(system_prompt(2), "q"))
+    # The same prefix on the same replica twice: held until both requests end.
+    route_and_start(a, chat_text(system_prompt(2), "q"))
+    assert b.remote_pins("a") == 3
+    assert b.apply_remote_releases("a", [("r0", 12345), ("r9", second.hashes[-1])]) == 0
+    assert b.apply_remote_releases("nobody", [("r0", first.hashes[-1])]) == 0
+    assert b.apply_remote_releases("a", [("r0", second.hashes[-1])]) == 1
+    assert b.matched_blocks("r0", second.hashes) == len(second.hashes)  # one still runs
+    assert b.release_remote_pins("a") == 2
+    assert b.remote_pins() == 0 and b.indexes["r0"].pinned_blocks == 0
+    flood(b, 8)
+    assert b.matched_blocks("r0", first.hashes) == 0
+
+
+def test_pins_another_gateway_never_releases_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import routing.router as router_module
+
+    monkeypatch.setattr(router_module, "REMOTE_PINS_PER_SOURCE", 2)
+    a, b = shared_pair(True)
+    prompts = [route_and_start(a, chat_text(system_prompt(i), "q"))[0] for i in range(3)]
+    # Its releases were lost: the oldest pin went to make room for the third.
+    assert b.remote_pins("a") == 2
+    flood(b, 8)
+    assert [b.matched_blocks("r0", p.hashes) == len(p.hashes) for p in prompts] == [
+        False, True, True]
 
 
 def test_prefill_still_queued_does_not_push_out_what_the_engine_holds() -> None:
@@ -552,7 +624,8 @@ def test_a_removed_replica_keeps_no_prefix_and_its_load_goes_when_forgotten() ->
 def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
     a, b = make_router(), make_router()
     recorded: list[tuple[str, list[int], float]] = []
-    a.on_record = lambda replica, hashes, cost: recorded.append((replica, list(hashes), cost))
+    a.on_record = lambda replica, hashes, cost, held: recorded.append(
+        (replica, list(hashes), cost))
     text = chat_text(system_prompt(7), "q")
     # A warm prefix on a non-home replica: b, which never saw it, would route it elsewhere.
     home = a.route(a.request_from_text(text), idle()).replica
@@ -567,7 +640,7 @@ def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
     assert applied == 2  # the unknown replica and the empty chain are skipped
     # b now holds what a recorded, on both replicas, without telling its own listener.
     seen: list[str] = []
-    b.on_record = lambda replica, hashes, cost: seen.append(replica)
+    b.on_record = lambda replica, hashes, cost, held: seen.append(replica)
     assert b.matched_blocks(other, recorded[1][1]) == len(recorded[1][1])
     d = b.route(b.request_from_text(chat_text(system_prompt(7), "s")),
                 [ReplicaView(name=other), ReplicaView(name="r9")])
@@ -1148,9 +1221,9 @@ def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:
     def pair(shared: bool) -> tuple[str, str]:
         a, b = make_router(), make_router()
         if shared:
-            a.on_record = lambda replica, hashes, cost: b.apply_remote_inserts(
+            a.on_record = lambda replica, hashes, cost, held: b.apply_remote_inserts(
                 [(replica, hashes, cost)])
-            b.on_record = lambda replica, hashes, cost: a.apply_remote_inserts(
+            b.on_record = lambda replica, hashes, cost, held: a.apply_remote_inserts(
                 [(replica, hashes, cost)])
         text = chat_text(system_prompt(11), "q")
         for name in ("r0", "r1"):  # both hold it, in both routers' indexes

@@ -33,14 +33,17 @@ def shared_config(redis: dict[str, Any], **shared: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def two_states(redis_server: RedisServer) -> AsyncIterator[tuple[Any, Any]]:
+async def two_states(redis_server: RedisServer, routing: dict[str, Any] | None = None,
+                     **shared: Any) -> AsyncIterator[tuple[Any, Any]]:
     """Two gateways' states sharing routing through `redis_server`, with no background task:
     each test drives their writers and readers by hand."""
     from backends.upstream.inprocess import InProcessUpstream
     from gateway.config import parse_config
     from gateway.state import GatewayState
 
-    config = parse_config(shared_config(redis_server.config()))
+    raw = shared_config(redis_server.config(), **shared)
+    raw["routing"].update(routing or {})
+    config = parse_config(raw)
     a, b = (GatewayState(config, upstream=InProcessUpstream()) for _ in range(2))
     try:
         assert a.shared is not None and b.shared is not None
@@ -550,3 +553,68 @@ async def test_what_a_gateway_keeps_to_publish_again_is_nothing_the_collector_wa
         await sa.tick(False)  # publishes again
         await sb.tick(False)
         assert router_b.matched_blocks("rt-2", hashes) == 3
+
+
+async def test_a_request_running_through_one_gateway_is_pinned_in_the_others_index(
+        redis_server: RedisServer) -> None:
+    """With `pin_running`, each gateway pins in its index the prefixes the engines hold for
+    the other gateways' running requests, as for its own, and lets them go when those end
+    or when the gateway that sent them leaves: without it, the others' indexes evicted
+    what the engines still held (three gateways agreed with one on fewer warm requests)."""
+    from routing.prompt import render_chat
+
+    async with two_states(redis_server, {"pin_running": True}) as (a, b):
+        sa, sb = a.shared, b.shared
+        router_a = a.pool_by_name["realtime"].router
+        router_b = b.pool_by_name["realtime"].router
+        requests, decisions = [], []
+        for i in range(2):
+            request = router_a.request_from_text(render_chat(chat(tenant_prompt(40 + i))))
+            requests.append(request)
+            decisions.append(router_a.route(request, [ReplicaView(name="rt-1")]))
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins(sa.id) == 2
+        pinned = router_b.indexes["rt-1"].pinned_blocks
+        assert pinned == len(set(requests[0].hashes) | set(requests[1].hashes))
+        router_a.finished(decisions[0], False)  # abandoned while queued: released all the same
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins(sa.id) == 1
+        assert router_b.indexes["rt-1"].pinned_blocks == len(requests[1].hashes)
+        # A leaves the registry: its request's end will never be read here.
+        sb._set_peers(frozenset())
+        assert router_b.remote_pins() == 0 and router_b.indexes["rt-1"].pinned_blocks == 0
+
+
+async def test_a_release_dropped_from_a_full_queue_lets_the_others_release_every_pin(
+        redis_server: RedisServer) -> None:
+    """A gateway whose queue overflowed (Redis slow) may have dropped the release of a pin
+    the others hold: its next write says so, and they release every pin of its, rather
+    than hold one for good. Pins of its requests decided after are kept."""
+    from routing.prompt import render_chat
+
+    async with two_states(redis_server, {"pin_running": True}, max_queue=100) as (a, b):
+        sa, sb = a.shared, b.shared
+        router_a = a.pool_by_name["realtime"].router
+        router_b = b.pool_by_name["realtime"].router
+        request = router_a.request_from_text(render_chat(chat(tenant_prompt(50))))
+        decision = router_a.route(request, [ReplicaView(name="rt-2")])
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins(sa.id) == 1
+        router_a.finished(decision, True)
+        for i in range(100):  # its release is pushed out of the queue
+            router_a.record("rt-0", [1000 + i], 1.0)
+        later = router_a.request_from_text(render_chat(chat(tenant_prompt(51))))
+        router_a.route(later, [ReplicaView(name="rt-3")])
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins(sa.id) == 1
+        assert router_b.indexes["rt-2"].pinned_blocks == 0
+        assert router_b.indexes["rt-3"].pinned_blocks == len(later.hashes)
+        # Said once: the next write does not release the later pin.
+        router_a.record("rt-0", [2000], 1.0)
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins(sa.id) == 1

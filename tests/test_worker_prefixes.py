@@ -16,13 +16,15 @@ from gateway.workerprefixes import WorkerPrefixes, prefixes_path, retired_path
 from routing.steps import POOL_RATE_KEY
 
 
-def state() -> GatewayState:
-    return GatewayState(GatewayConfig.model_validate(one_pool_config(
-        ["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)))
+def state(pin_running: bool = False) -> GatewayState:
+    config = one_pool_config(["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)
+    config.setdefault("routing", {})["pin_running"] = pin_running
+    return GatewayState(GatewayConfig.model_validate(config))
 
 
-def worker(tmp_path: Path, pid: int, **kw) -> tuple[GatewayState, WorkerPrefixes]:
-    s = state()
+def worker(tmp_path: Path, pid: int, pin_running: bool = False,
+           **kw) -> tuple[GatewayState, WorkerPrefixes]:
+    s = state(pin_running)
     return s, WorkerPrefixes(tmp_path, s.pools, s.observer, pid=pid, **kw)
 
 
@@ -208,3 +210,41 @@ def test_decisions_that_cannot_be_written_are_counted_dropped(tmp_path: Path) ->
     with pytest.raises(OSError):
         wa.write()
     assert counted(a, "dropped") == 1 and counted(a, "published") == 0
+
+
+def test_a_workers_running_requests_stay_pinned_in_the_others_until_they_end_or_it_dies(
+        tmp_path: Path) -> None:
+    """With `pin_running`, the workers pin what each other's running requests hold on the
+    engines, as the gateways sharing a Redis do, and release it when the request ends or
+    the worker dies (its file retired)."""
+    from routing.types import Decision, ReplicaView
+
+    a, wa = worker(tmp_path, 1, pin_running=True)
+    b, wb = worker(tmp_path, 2, pin_running=True)
+    router_a, router_b = a.pools[0].router, b.pools[0].router
+
+    def start(text: str) -> Decision:
+        request = router_a.request_from_text(text)
+        return router_a.route(request, [ReplicaView(name="replica-1")])
+
+    first, second = start("first " * 200), start("second " * 200)
+    wa.write()
+    wb.read(peers(tmp_path, wb))
+    assert router_b.remote_pins() == 2
+    assert router_b.indexes["replica-1"].pinned_blocks == len(first.hashes) + len(
+        second.hashes)
+    router_a.finished(first, True)
+    wa.write()
+    wb.read(peers(tmp_path, wb))
+    assert router_b.remote_pins() == 1
+    assert router_b.indexes["replica-1"].pinned_blocks == len(second.hashes)
+    # The worker died with its request running: the supervisor retires its file.
+    os.replace(prefixes_path(tmp_path, 1), retired_path(tmp_path, 1))
+    wb.read(peers(tmp_path, wb))
+    assert router_b.remote_pins() == 0 and router_b.indexes["replica-1"].pinned_blocks == 0
+    # Its replacement applies the dead worker's prefixes, and pins none of them.
+    replacement, wr = worker(tmp_path, 3, pin_running=True)
+    wr.read(peers(tmp_path, wr))
+    router_r = replacement.pools[0].router
+    assert router_r.matched_blocks("replica-1", second.hashes) == len(second.hashes)
+    assert router_r.remote_pins() == 0
