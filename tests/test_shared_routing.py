@@ -618,3 +618,40 @@ async def test_a_release_dropped_from_a_full_queue_lets_the_others_release_every
         await sa.tick(True)
         await sb.tick(True)
         assert router_b.remote_pins(sa.id) == 1
+
+
+async def test_through_http_a_request_running_on_one_gateway_is_pinned_by_the_other(
+        redis_server: RedisServer) -> None:
+    """The request path itself: a streamed completion running through gateway A holds its
+    prompt's prefix pinned in B's index until the replica ends it, whichever replica A
+    chose."""
+    from routing.prompt import render_completion
+    from tests.test_admission import holding
+
+    config = shared_config(redis_server.config())
+    config["routing"]["pin_running"] = True
+    held = holding("rt-0", "rt-1", "rt-2", "rt-3")
+    async with gateway(config, handlers=held) as a, gateway(config, handlers=held) as b:
+        shared_a = a.app.state.shared
+        await eventually(lambda: b.app.state.shared.peers == {shared_a.id})
+        prompt = tenant_prompt(60)
+        client = a.openai()
+
+        async def complete() -> list[Any]:
+            stream = await client.completions.create(model="tiny", prompt=prompt,
+                                                     max_tokens=2, stream=True)
+            return [chunk async for chunk in stream]
+
+        running = asyncio.create_task(complete())
+        router_b = b.app.state.pool_by_name["realtime"].router
+        hashes = router_b.request_from_text(render_completion({"prompt": prompt})).hashes
+        await eventually(lambda: router_b.remote_pins(shared_a.id) == 1)
+        replica = next(name for name, h in held.items() if h.prompts)
+        assert router_b.indexes[replica].pinned_blocks == len(hashes)
+        held[replica].finish()
+        chunks = await running
+        assert "".join(c.choices[0].text for c in chunks) == "first last"
+        await eventually(lambda: router_b.remote_pins() == 0)
+        assert router_b.indexes[replica].pinned_blocks == 0
+        # Still held as an ordinary entry: the engine keeps it cached after the request.
+        assert router_b.matched_blocks(replica, hashes) == len(hashes)
