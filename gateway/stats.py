@@ -87,6 +87,7 @@ class StatsRecorder:
                     "draining": r.draining,
                     "index_blocks": len(index) if index is not None else 0,
                     "index_capacity_blocks": index.capacity_blocks if index is not None else 0,
+                    "index_pinned_blocks": index.pinned_blocks if index is not None else 0,
                     "ttft_p50_s": _quantile(s.ttfts, 0.5),
                     "ttft_p95_s": _quantile(s.ttfts, 0.95),
                 })

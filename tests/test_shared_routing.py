@@ -648,6 +648,8 @@ async def test_through_http_a_request_running_on_one_gateway_is_pinned_by_the_ot
         await eventually(lambda: router_b.remote_pins(shared_a.id) == 1)
         replica = next(name for name, h in held.items() if h.prompts)
         assert router_b.indexes[replica].pinned_blocks == len(hashes)
+        shown = {r["name"]: r for r in (await b.stats())["pools"][0]["replicas"]}
+        assert shown[replica]["index_pinned_blocks"] == len(hashes)
         held[replica].finish()
         chunks = await running
         assert "".join(c.choices[0].text for c in chunks) == "first last"
