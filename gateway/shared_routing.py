@@ -143,6 +143,30 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def releaser(queue: deque[Shared], cap: int, pool: str,
+             dropped: Callable[[Shared], None]) -> Callable[[str, int], None]:
+    """`Router.on_release` for a gateway's (or worker's) queue of `pool`: the release is
+    queued after what was decided before it, the oldest item dropped past `cap`. Not woken
+    for: the next write takes it (the load changed as the request ended, and is looked at
+    within `load_interval_s`)."""
+
+    def released(replica: str, last: int) -> None:
+        if len(queue) >= cap:
+            dropped(queue.popleft())
+        queue.append((pool, replica, last))
+
+    return released
+
+
+def note_dropped(item: Shared, lost_releases: set[str], observer: Observer) -> None:
+    """An item pushed out of a full queue: an insert is counted dropped; a release marks its
+    pool, whose next write tells the others to release every pin of the writer's (`x`)."""
+    if len(item) == 3:
+        lost_releases.add(item[0])
+    else:
+        observer.shared_inserts(item[0], "dropped", 1)
+
+
 def by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[Any, ...]]]:
     """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), and a
     fifth item, 1, when a request holds the prefix until its release (`releases_by_pool`).
@@ -252,7 +276,8 @@ class SharedRouting:
         self._failures: set[str] = set()
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
-            pool.router.on_release = self._releaser(pool.name)
+            pool.router.on_release = releaser(self.queue, self.settings.max_queue, pool.name,
+                                              self._dropped)
 
     # On the request's path: one append ----------------------------------------------------
 
@@ -273,23 +298,8 @@ class SharedRouting:
 
         return recorded
 
-    def _releaser(self, pool: str) -> Callable[[str, int], None]:
-        queue, cap, dropped = self.queue, self.settings.max_queue, self._dropped
-
-        def released(replica: str, last: int) -> None:
-            # Not woken for: the next write takes it (the load changed as the request ended,
-            # and is looked at within `load_interval_s`).
-            if len(queue) >= cap:
-                dropped(queue.popleft())
-            queue.append((pool, replica, last))
-
-        return released
-
     def _dropped(self, item: Shared) -> None:
-        if len(item) == 3:
-            self._lost_releases.add(item[0])
-        else:
-            self.observer.shared_inserts(item[0], "dropped", 1)
+        note_dropped(item, self._lost_releases, self.observer)
 
     # Running ------------------------------------------------------------------------------
 

@@ -60,6 +60,8 @@ from gateway.shared_routing import (
     apply_inserts,
     by_pool,
     encode_rates,
+    note_dropped,
+    releaser,
     releases_by_pool,
 )
 from routing.steps import sum_rates
@@ -132,7 +134,8 @@ class WorkerPrefixes:
         self._read_retired = False
         for pool in pools:
             pool.router.on_record = self._recorder(pool.name)
-            pool.router.on_release = self._releaser(pool.name)
+            pool.router.on_release = releaser(self.queue, self.max_queue, pool.name,
+                                              self._dropped)
 
     # On the request's path: one append ----------------------------------------------------
 
@@ -146,21 +149,8 @@ class WorkerPrefixes:
 
         return recorded
 
-    def _releaser(self, pool: str) -> Callable[[str, int], None]:
-        queue, cap, dropped = self.queue, self.max_queue, self._dropped
-
-        def released(replica: str, last: int) -> None:
-            if len(queue) >= cap:
-                dropped(queue.popleft())
-            queue.append((pool, replica, last))
-
-        return released
-
     def _dropped(self, item: Shared) -> None:
-        if len(item) == 3:
-            self._lost_releases.add(item[0])
-        else:
-            self.observer.shared_inserts(item[0], "dropped", 1)
+        note_dropped(item, self._lost_releases, self.observer)
 
     @property
     def pending(self) -> bool:
