@@ -96,6 +96,14 @@ class RoutingSettings(BaseModel):
         "sharing routing state (and the workers of one gateway) pin each other's running "
         "requests' prefixes too"
     )
+    output_reserve: float | None = Field(
+        None, ge=0.0, le=1.0, description="with pin_running, the share of a running request's "
+        "max_tokens its engine holds KV for beside its prompt, taken from the prefix index's "
+        "capacity while it runs. None: by the pool's engine, 1.0 for trtllm (its default "
+        "capacity scheduler, GUARANTEED_NO_EVICT, reserves the whole output when it admits a "
+        "request), 0.5 for vllm (it allocates as it decodes: half, on average, of an output "
+        "that runs to its max_tokens)"
+    )
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(
         "chars", description="hash character blocks, or the engine's own tokens (vLLM tokenises)"

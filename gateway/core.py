@@ -27,7 +27,7 @@ from gateway.exchange import JSON_HEADERS, ClientLink, InferenceRequest, Reply
 from gateway.experiments.live import BASELINE, CANDIDATE, LiveExperiment, Trial, error_kind
 from gateway.experiments.mirror import Mirror
 from gateway.outcome import Finished, Outcome
-from gateway.parse import cap_tokens
+from gateway.parse import cap_tokens, output_tokens
 from gateway.ratelimit import RateLimited
 from gateway.relay import (
     ReadFailure,
@@ -209,6 +209,8 @@ class RequestCore:
                 return error_reply(no_replica(pool.name))
             if obs.before_route is not None:
                 obs.before_route()
+            # Its output's KV, held beside its prompt while it runs (`pin_running`).
+            call.routing.output_tokens = output_tokens(request.payload)
             first = decision = pool.router.route(call.routing, views)
             obs.decided(pool.name, pool.policy_name, call.traffic_class, decision)
             candidates = [decision.replica, *decision.fallbacks]

@@ -67,6 +67,13 @@ MAX_TOKENS = 2**31 - 1
 """Above what engines store in 32 bits; larger values are refused whatever the class's cap."""
 
 
+def output_tokens(payload: dict[str, Any]) -> int:
+    """The most the request may generate, as it says (the smaller of its limits); 0 when it
+    sets none. Read after `parse_request` checked them."""
+    limits = [v for v in (payload.get(key) for key in TOKEN_LIMITS) if type(v) is int]
+    return min(limits) if limits else 0
+
+
 def cap_tokens(payload: dict[str, Any], cap: int, traffic_class: str) -> bool:
     """Hold the request to its class's `max_tokens` cap: a 400 if it asks for more, the cap
     set as its max_tokens if it asks for nothing (the engine's default is often the whole

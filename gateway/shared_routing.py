@@ -82,9 +82,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefix_gateway.shared")
 
-Insert = tuple[str, str, float, Sequence[int], float, bool]
+Insert = tuple[str, str, float, Sequence[int], float, bool, int]
 """A prefix routed here: (pool, replica, decided at (time.time()), block hashes, uncached
-prompt tokens it cost the replica, held: a request holds it there until its `Release`)."""
+prompt tokens it cost the replica, held: a request holds it there until its `Release`, the
+blocks its output holds there meanwhile)."""
 Release = tuple[str, str, int]
 """A request whose prefix was routed `held` ended: (pool, replica, its last block hash)."""
 Shared = Insert | Release
@@ -168,16 +169,19 @@ def note_dropped(item: Shared, lost_releases: set[str], observer: Observer) -> N
 
 
 def by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), and a
-    fifth item, 1, when a request holds the prefix until its release (`releases_by_pool`).
-    Gateways write them to Redis, workers without it to their files
-    (gateway/workerprefixes.py); orjson writes the tuples and hashes as arrays."""
+    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), a
+    fifth item, 1, when a request holds the prefix until its release (`releases_by_pool`),
+    and a sixth, the blocks its output holds there meanwhile, when there are any. Gateways
+    write them to Redis, workers without it to their files (gateway/workerprefixes.py);
+    orjson writes the tuples and hashes as arrays."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     for item in batch:
-        if len(item) == 6:
-            pool, replica, at, hashes, uncached, held = item  # type: ignore[misc]
+        if len(item) == 7:
+            pool, replica, at, hashes, uncached, held, output = item  # type: ignore[misc]
             out.setdefault(pool, []).append(
-                (replica, at, hashes, uncached, 1) if held else (replica, at, hashes, uncached))
+                (replica, at, hashes, uncached) if not held else
+                (replica, at, hashes, uncached, 1, output) if output else
+                (replica, at, hashes, uncached, 1))
     return out
 
 
@@ -198,9 +202,10 @@ def apply_inserts(router: Router, observer: Observer, pool: str, items: Sequence
     With `source`, the one that wrote them, a prefix held by its request is pinned (with
     `pin_running`) until the release comes; without, nothing is pinned (inserts published
     again: their requests may have ended, and their releases gone by)."""
-    # No uncached tokens: an older gateway's entry.
+    # No uncached tokens: an older gateway's entry; no output blocks: one that reserved none.
     applied = router.apply_remote_inserts(
-        ((item[0], item[2], item[3] if len(item) > 3 else 0.0, len(item) > 4 and item[4] == 1)
+        ((item[0], item[2], item[3] if len(item) > 3 else 0.0, len(item) > 4 and item[4] == 1,
+          int(item[5]) if len(item) > 5 else 0)
          for item in items), source)
     observer.shared_inserts(pool, "applied", applied)
     if lag_since is None:
@@ -284,17 +289,18 @@ class SharedRouting:
     def _stream(self, pool: str, gateway: str) -> str:
         return self.link.key("routing", pool, "inserts", gateway)
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool], None]:
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool, int], None]:
         queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
 
         wake = self._wake
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
+                     output_blocks: int) -> None:
             if not queue:
                 wake.set()
             elif len(queue) >= cap:
                 dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes, uncached, held))
+            queue.append((pool, replica, now(), hashes, uncached, held, output_blocks))
 
         return recorded
 

@@ -88,6 +88,7 @@ class StatsRecorder:
                     "index_blocks": len(index) if index is not None else 0,
                     "index_capacity_blocks": index.capacity_blocks if index is not None else 0,
                     "index_pinned_blocks": index.pinned_blocks if index is not None else 0,
+                    "index_reserved_blocks": index.reserved if index is not None else 0,
                     "ttft_p50_s": _quantile(s.ttfts, 0.5),
                     "ttft_p95_s": _quantile(s.ttfts, 0.95),
                 })

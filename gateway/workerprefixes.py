@@ -139,13 +139,14 @@ class WorkerPrefixes:
 
     # On the request's path: one append ----------------------------------------------------
 
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool], None]:
+    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool, int], None]:
         queue, cap, now, dropped = self.queue, self.max_queue, time.time, self._dropped
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
+                     output_blocks: int) -> None:
             if len(queue) >= cap:
                 dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes, uncached, held))
+            queue.append((pool, replica, now(), hashes, uncached, held, output_blocks))
 
         return recorded
 

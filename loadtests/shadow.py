@@ -175,7 +175,7 @@ def replay_shadow(config: GatewayConfig | Mapping[str, Any], requests: Sequence[
     chosen = next((p for p in cfg.pools if pool is None or p.name == pool), None)
     if chosen is None:
         raise ValueError(f"no pool {pool!r} in the configuration")
-    router = build_router(cfg.routing_for(chosen))
+    router = build_router(cfg.routing_for(chosen), chosen.engine)
     for replica in chosen.replicas:
         router.add_replica(replica.name)
     return ReplayShadow(router, requests)

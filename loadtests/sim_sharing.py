@@ -61,7 +61,8 @@ class _Writer:
 
     def __init__(self, start: float) -> None:
         self.queue: list[tuple[Any, ...]] = []
-        """(replica, hashes, uncached, held) inserts and (replica, last hash) releases."""
+        """(replica, hashes, uncached, held, output blocks) inserts and (replica, last hash)
+        releases."""
         self.sleep_end = -math.inf  # when the sleep after its last write ends
         self.next_load = start  # when it next looks at its load
         self.due = start  # when it next runs one iteration (looks, and writes if it must)
@@ -108,8 +109,9 @@ class Gateways:
     def _recorder(self, g: int) -> Any:
         writer = self._writers[g]
 
-        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool) -> None:
-            writer.queue.append((replica, list(hashes), uncached, held))
+        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
+                     output_blocks: int) -> None:
+            writer.queue.append((replica, list(hashes), uncached, held, output_blocks))
             # The first insert queued wakes the writer (when its sleep is over).
             writer.due = min(writer.due, max(self.now, writer.sleep_end))
 
@@ -173,9 +175,11 @@ class Gateways:
                     rates = w.last_rates = learned
         if batch or load is not None or rates is not None:
             # As shared_routing.by_pool writes them: [replica, decided at, hashes, uncached,
-            # and 1 when held], and releases_by_pool: [replica, last hash].
-            items = [(rep, t, h, u, 1) if held else (rep, t, h, u)
-                     for rep, h, u, held in (i for i in batch if len(i) == 4)]
+            # and 1 when held, and its output blocks if any], and releases_by_pool: [replica,
+            # last hash].
+            items = [(rep, t, h, u) if not held else (rep, t, h, u, 1, o) if o else
+                     (rep, t, h, u, 1)
+                     for rep, h, u, held, o in (i for i in batch if len(i) == 5)]
             ended = [i for i in batch if len(i) == 2]
             self._messages.append(_Message(
                 t + s.delay_s, g, orjson.dumps(items) if items else None, load, rates,
@@ -229,7 +233,8 @@ class Gateways:
                 rates_changed = True
             if m.inserts is not None:
                 router.apply_remote_inserts(
-                    ((item[0], item[2], item[3], len(item) > 4) for item in
+                    ((item[0], item[2], item[3], len(item) > 4,
+                      item[5] if len(item) > 5 else 0) for item in
                      orjson.loads(m.inserts)), str(m.gateway))
             if m.releases is not None:
                 router.apply_remote_releases(str(m.gateway), orjson.loads(m.releases))

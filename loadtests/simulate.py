@@ -349,6 +349,10 @@ def run_pool(
                         prefill_tokens_per_s=settings.prefill_tokens_per_s,
                         speed_decode_agrees=settings.speed_decode_agrees,
                         pin_running=settings.pin_running,
+                        # The simulated engine reserves a request's whole output when it
+                        # admits it, as TensorRT-LLM's default scheduler does.
+                        output_reserve=(1.0 if settings.output_reserve is None
+                                        else settings.output_reserve),
                         decode_step_wait=settings.decode_step_wait,
                         engine_speed=settings.engine_speed)
         for n in names:
@@ -520,6 +524,7 @@ def run_pool(
         sample_until(now)
         inflight_at_arrival[rid] = sum(e.num_running + e.num_waiting for e in engine_list)
         rr = routing_reqs[rid]
+        rr.output_tokens = max_tokens = max(1, min(req.output_tokens, max_output))
         scrape_until(now)
         g = gateway_of[rid] = gws.gateway_of(k)
         router = routers[g]
@@ -537,8 +542,7 @@ def run_pool(
         i = index_of[decision.replica]
         eng = engine_list[i]
         try:
-            eng.submit(str(rid), engine_hashes[rid], prompt_tokens[rid],
-                       max(1, min(req.output_tokens, max_output)), now)
+            eng.submit(str(rid), engine_hashes[rid], prompt_tokens[rid], max_tokens, now)
         except ValueError:
             continue  # a prompt longer than the engine's KV cache: a 400 error over HTTP
         replica_of[rid] = i

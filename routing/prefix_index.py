@@ -20,10 +20,12 @@ class PrefixIndex:
       when the last request holding them ends;
     - `room` blocks of the capacity are lent to blocks sent but not computed yet (the prefill
       queued there): the index holds them from the moment they are sent, the engine only once
-      it computes them, and without the loan they would push out blocks the engine still has.
+      it computes them, and without the loan they would push out blocks the engine still has;
+    - `reserved` blocks of the capacity hold no prefix at all: the output of the requests
+      running there, which the engine keeps KV for beside their prompts.
     """
 
-    __slots__ = ("_blocks", "_pinned", "capacity_blocks", "room")
+    __slots__ = ("_blocks", "_pinned", "capacity_blocks", "reserved", "room")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
@@ -32,6 +34,7 @@ class PrefixIndex:
         self._blocks: OrderedDict[int, None] = OrderedDict()  # unpinned, least recent first
         self._pinned: dict[int, int] = {}  # block -> running requests holding it
         self.room = 0
+        self.reserved = 0
 
     def __len__(self) -> int:
         return len(self._blocks) + len(self._pinned)
@@ -101,7 +104,8 @@ class PrefixIndex:
 
     def _evict(self) -> None:
         blocks = self._blocks
-        overflow = len(blocks) + len(self._pinned) - self.capacity_blocks - self.room
+        overflow = (len(blocks) + len(self._pinned) + self.reserved - self.capacity_blocks
+                    - self.room)
         if overflow > 0:
             pop = blocks.popitem
             for _ in range(min(overflow, len(blocks))):

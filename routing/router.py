@@ -42,6 +42,7 @@ class Router:
         prefill_tokens_per_s: float | None = None,
         speed_decode_agrees: float = DECODE_AGREES,
         pin_running: bool = False,
+        output_reserve: float = 1.0,
         decode_step_wait: bool = True,
         engine_speed: bool = True,
     ) -> None:
@@ -55,17 +56,21 @@ class Router:
         self.key_blocks = max(1, key_blocks)
         self.default_capacity = index_capacity_blocks
         self.pin_running = pin_running
+        self.output_reserve = output_reserve
+        """With `pin_running`, the share of a running request's `output_tokens` its engine
+        holds KV for (1.0: reserved whole at admission; vLLM allocates as it decodes)."""
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees, decode_step_wait,
                                 engine_speed)
         self.indexes: dict[str, PrefixIndex] = {}
         self._room_block_tokens = 0.0
         """Tokens per block of the last prefix recorded (a pool hashes all its requests
         alike): the unit of the room an index lends to queued prefill (`pin_running`)."""
-        self.on_record: Callable[[str, Sequence[int], float, bool], None] | None = None
+        self.on_record: Callable[[str, Sequence[int], float, bool, int], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with
-        the uncached prompt tokens it costs there and whether a request holds it there until
-        `on_release` says it ended (its decision's, with `pin_running`), after its own index
-        has it: how the gateway shares its decisions with other gateways."""
+        the uncached prompt tokens it costs there, whether a request holds it there until
+        `on_release` says it ended (its decision's, with `pin_running`) and the blocks its
+        output holds there meanwhile, after its own index has it: how the gateway shares its
+        decisions with other gateways."""
         self.on_release: Callable[[str, int], None] | None = None
         """Told, with `pin_running`, when a request whose prefix `on_record` reported held
         ends: its replica and the last of its block hashes (a chained hash names the whole
@@ -73,7 +78,8 @@ class Router:
         they run, as each pins its own."""
         self._remote_pins: dict[str, dict[tuple[str, int], list[Any]]] = {}
         """Other gateway (or worker) -> (replica, last hash) -> [its hashes, requests holding
-        them]: the pins of their running requests, released when they end or leave."""
+        them, blocks their outputs hold]: the pins of their running requests, released when
+        they end or leave."""
         for name in replicas:
             self.add_replica(name)
 
@@ -158,16 +164,21 @@ class Router:
         """`request` goes as `decision` says: the decision carries its blocks (pinned while
         it runs, with `pin_running`), the replica's index records them, the policy is told."""
         decision.hashes = request.hashes
+        if self.pin_running and request.output_tokens > 0.0 and request.block_tokens > 0.0:
+            decision.output_blocks = int(request.output_tokens * self.output_reserve
+                                         / request.block_tokens)
         self.record(decision.replica, request.hashes, decision.uncached_tokens,
-                    request.block_tokens, held=self.pin_running)
+                    request.block_tokens, held=self.pin_running,
+                    output_blocks=decision.output_blocks)
         self.policy.on_routed(request, decision)
 
     def record(self, replica: str, hashes: Sequence[int], uncached_tokens: float = 0.0,
-               block_tokens: float = 0.0, held: bool = False) -> None:
+               block_tokens: float = 0.0, held: bool = False, output_blocks: int = 0) -> None:
         """Note that `replica` now holds the prefix `hashes`, which cost it `uncached_tokens`
         of prefill (`commit` does this); `block_tokens`, the tokens in one of those blocks,
         sizes the room `pin_running` lends to prefill not computed yet (0: none); `held`: a
-        request holds it there until `finished` (`on_release`)."""
+        request holds it there until `finished` (`on_release`), and `output_blocks` of the
+        index's capacity for its output meanwhile."""
         index = self.indexes.get(replica)
         if index is not None and hashes:
             if self.pin_running and block_tokens > 0.0:
@@ -175,9 +186,12 @@ class Router:
                 # the request's own blocks: characters or the engine's tokens, as it was hashed.
                 self._room_block_tokens = block_tokens
                 index.room = self._room(replica, uncached_tokens)
+            # From the decision, not the first token: it also gives the room back if it is
+            # abandoned while queued, and the other gateways reserve it from the same moment.
+            index.reserved += output_blocks
             index.insert(hashes)
             if self.on_record is not None:
-                self.on_record(replica, hashes, uncached_tokens, held)
+                self.on_record(replica, hashes, uncached_tokens, held, output_blocks)
 
     def _room(self, replica: str, unsent_tokens: float = 0.0) -> int:
         """The blocks `replica`'s index lends to prefill queued there: sent, by this gateway
@@ -199,14 +213,14 @@ class Router:
     def apply_remote_inserts(self, inserts: Iterable[tuple[Any, ...]],
                              source: str | None = None) -> int:
         """Record prefixes other gateways sent to replicas of this pool, (replica, hashes,
-        uncached prompt tokens it cost there[, held]), as if routed here: no `on_record` (they
-        are not this router's decisions), and the policy is told through `on_remote_routed`
-        only, so that what it balances on counts the whole fleet's decisions, as one gateway's
-        would. Replicas this router does not know (removed, or not in its configuration) are
-        skipped. With `pin_running`, a prefix `held` by a request of `source` (the gateway or
-        worker that sent it) is pinned there until that request ends
-        (`apply_remote_releases`) or `source` leaves (`release_remote_pins`). Returns the
-        inserts applied."""
+        uncached prompt tokens it cost there[, held[, output blocks]]), as if routed here: no
+        `on_record` (they are not this router's decisions), and the policy is told through
+        `on_remote_routed` only, so that what it balances on counts the whole fleet's
+        decisions, as one gateway's would. Replicas this router does not know (removed, or not
+        in its configuration) are skipped. With `pin_running`, a prefix `held` by a request of
+        `source` (the gateway or worker that sent it) is pinned there until that request ends
+        (`apply_remote_releases`) or `source` leaves (`release_remote_pins`), and its output
+        blocks are reserved there as long. Returns the inserts applied."""
         applied = 0
         indexes = self.indexes
         tell = self.policy.on_remote_routed if self._tell_remote else None
@@ -220,14 +234,15 @@ class Router:
                     index.room = self._room(replica, uncached)
                 index.insert(hashes)
                 if pins is not None and held and held[0]:
-                    self._pin_remote(pins, index, replica, hashes)
+                    self._pin_remote(pins, index, replica, hashes,
+                                     held[1] if len(held) > 1 else 0)
                 applied += 1
                 if tell is not None:
                     tell(replica, uncached)
         return applied
 
     def _pin_remote(self, pins: dict[tuple[str, int], list[Any]], index: PrefixIndex,
-                    replica: str, hashes: Sequence[int]) -> None:
+                    replica: str, hashes: Sequence[int], output_blocks: int) -> None:
         """Pin, from the other gateway's decision on, what its request holds: its own pin
         comes at the first token, but its blocks queued until then are lent room here as
         there, and a request abandoned before it is released all the same."""
@@ -235,17 +250,21 @@ class Router:
         held = pins.get(key)
         if held is None:
             if len(pins) >= REMOTE_PINS_PER_SOURCE:  # its releases were lost: the oldest go
-                old_key, (old_hashes, count) = next(iter(pins.items()))
+                old_key, (old_hashes, count, old_output) = next(iter(pins.items()))
                 del pins[old_key]
-                self._unpin_remote(old_key[0], old_hashes, count)
-            pins[key] = [hashes, 1]
+                self._unpin_remote(old_key[0], old_hashes, count, old_output)
+            pins[key] = [hashes, 1, output_blocks]
         else:
             held[1] += 1
+            held[2] += output_blocks
+        index.reserved += output_blocks
         index.pin(hashes)
 
-    def _unpin_remote(self, replica: str, hashes: Sequence[int], count: int) -> None:
+    def _unpin_remote(self, replica: str, hashes: Sequence[int], count: int,
+                      output_blocks: int) -> None:
         index = self.indexes.get(replica)
         if index is not None:  # else removed since: its index went with it
+            index.reserved = max(0, index.reserved - output_blocks)
             for _ in range(count):
                 index.unpin(hashes)
 
@@ -261,10 +280,14 @@ class Router:
             held = pins.get((replica, last))
             if held is None:
                 continue
+            # Releases name the prefix, not the request: requests sharing it release an even
+            # share of their outputs' blocks, the last one what is left.
+            output_blocks = held[2] // held[1]
             held[1] -= 1
+            held[2] -= output_blocks
             if not held[1]:
                 del pins[(replica, last)]
-            self._unpin_remote(replica, held[0], 1)
+            self._unpin_remote(replica, held[0], 1, output_blocks)
             released += 1
         return released
 
@@ -275,8 +298,9 @@ class Router:
         sources = list(self._remote_pins) if source is None else [source]
         released = 0
         for name in sources:
-            for (replica, _), (hashes, count) in self._remote_pins.pop(name, {}).items():
-                self._unpin_remote(replica, hashes, count)
+            for (replica, _), (hashes, count, output_blocks) in self._remote_pins.pop(
+                    name, {}).items():
+                self._unpin_remote(replica, hashes, count, output_blocks)
                 released += count
         return released
 
@@ -284,7 +308,7 @@ class Router:
         """Requests of other gateways (of `source`, or of all) whose prefixes are pinned here."""
         groups = self._remote_pins.values() if source is None else [
             self._remote_pins.get(source, {})]
-        return sum(count for pins in groups for _, count in pins.values())
+        return sum(count for pins in groups for _, count, _ in pins.values())
 
     def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
         """The load other gateways have put on each replica now: replica -> (requests in
@@ -353,6 +377,7 @@ class Router:
             index = self.indexes.get(decision.replica)
             if index is not None:
                 # Its prefill, computed or abandoned, is no longer queued there.
+                index.reserved = max(0, index.reserved - decision.output_blocks)
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
                     index.unpin(decision.hashes)

@@ -20,6 +20,8 @@ class RoutingRequest:
     traffic_class: str = ""
     prompt_chars: int = 0
     """Characters of the canonical prompt, when hashed as characters (else 0)."""
+    output_tokens: float = 0.0
+    """The most it may generate (its max_tokens), in the engine's tokens; 0 when unknown."""
 
 
 @dataclass(slots=True)
@@ -61,6 +63,8 @@ class Decision:
     hashes: Sequence[int] = ()
     """The request's prefix blocks, which the router pins in the replica's index while the
     request runs there (set by `Router.route` and `Router.reroute`)."""
+    output_blocks: int = 0
+    """Blocks of the replica's index reserved for its output while it runs (`pin_running`)."""
 
     @property
     def matched_fraction(self) -> float:

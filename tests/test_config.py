@@ -29,6 +29,21 @@ def test_pool_routing_overrides_only_what_it_sets() -> None:
     assert merged.block_chars == config.routing.block_chars
 
 
+
+def test_the_output_a_running_request_holds_is_by_the_pools_engine_unless_set() -> None:
+    from gateway.wiring import build_pools
+
+    by_engine = {p.name: p.router.output_reserve for p in build_pools(parse_config(two_pools()))}
+    # TensorRT-LLM reserves a whole output when it admits a request; vLLM as it decodes.
+    assert by_engine == {"realtime": 0.5, "batch": 1.0}
+    config = two_pools(output_reserve=0.25)
+    config["pools"][1]["routing"] = {"output_reserve": 0.75}
+    assert {p.name: p.router.output_reserve for p in build_pools(parse_config(config))} == {
+        "realtime": 0.25, "batch": 0.75}
+    with pytest.raises(ConfigError, match="output_reserve"):
+        parse_config(two_pools(output_reserve=1.5))
+
+
 BAD = """\
 pools:
   - name: rt

@@ -174,3 +174,12 @@ async def test_a_replica_4xx_in_json_passes_through_unchanged() -> None:
         r = await gw.http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 400
         assert r.content == body
+
+
+def test_the_output_a_request_may_generate_is_the_smaller_of_its_limits() -> None:
+    from gateway.parse import output_tokens
+
+    assert output_tokens({"max_tokens": 300}) == 300
+    assert output_tokens({"max_completion_tokens": 50, "max_tokens": 300}) == 50
+    assert output_tokens({"max_tokens": None, "max_completion_tokens": 70}) == 70
+    assert output_tokens({"prompt": "x"}) == 0  # unknown: nothing is reserved for it

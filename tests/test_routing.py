@@ -153,10 +153,75 @@ def shared_pair(pin: bool) -> tuple[Router, Router]:
     """Two gateways' routers of one small replica, `a`'s inserts and releases applied to `b`
     at once (as from gateway "a")."""
     a, b = one_small_replica(pin), one_small_replica(pin)
-    a.on_record = lambda replica, hashes, cost, held: b.apply_remote_inserts(
-        [(replica, hashes, cost, held)], "a")
+    a.on_record = lambda replica, hashes, cost, held, output: b.apply_remote_inserts(
+        [(replica, hashes, cost, held, output)], "a")
     a.on_release = lambda replica, last: b.apply_remote_releases("a", [(replica, last)])
     return a, b
+
+
+def start_with_output(router: Router, text: str, output_blocks: int) -> Decision:
+    """Route `text` to the one replica with a max_tokens of `output_blocks` blocks, send it
+    and see its first token."""
+    request = router.request_from_text(text)
+    request.output_tokens = output_blocks * request.block_tokens
+    decision = router.route(request, [ReplicaView(name="r0")])
+    router.dispatched(decision, 0.0)
+    router.first_token(decision, 1.0, 0.0)
+    return decision
+
+
+def test_a_running_requests_output_takes_room_from_its_index_until_it_ends() -> None:
+    """An engine keeps KV for a running request's output beside its prompt: with
+    `pin_running`, the index holds that much less of the prefixes sent there, from the
+    decision until the request ends."""
+    for pin in (True, False):
+        router = one_small_replica(pin)
+        earlier, d = route_and_start(router, chat_text(system_prompt(1), "q"))  # 15 blocks
+        router.finished(d, True)
+        queued = router.request_from_text(chat_text(system_prompt(2), "q"))
+        queued.output_tokens = 40 * queued.block_tokens
+        decision = router.route(queued, [ReplicaView(name="r0")])
+        router.dispatched(decision, 2.0)
+        assert decision.output_blocks == (40 if pin else 0)
+        assert router.indexes["r0"].reserved == decision.output_blocks
+        # Queued, its prompt is lent room: nothing is evicted yet.
+        assert router.matched_blocks("r0", earlier.hashes) == len(earlier.hashes)
+        router.first_token(decision, 3.0, 2.0)
+        if not pin:
+            assert router.matched_blocks("r0", earlier.hashes) == len(earlier.hashes)
+            continue
+        # Running: 15 + 15 prompt blocks and 40 of output in 64, the oldest prefix's tail goes.
+        assert router.matched_blocks("r0", earlier.hashes) == 64 - 40 - 15
+        router.finished(decision, True)
+        assert router.indexes["r0"].reserved == 0
+        # A request that sets no max_tokens reserves nothing; one abandoned while queued
+        # gives back what it reserved.
+        unlimited = start_with_output(router, chat_text(system_prompt(3), "q"), 0)
+        assert unlimited.output_blocks == 0 and router.indexes["r0"].reserved == 0
+        request = router.request_from_text(chat_text(system_prompt(4), "q"))
+        request.output_tokens = 20 * request.block_tokens
+        abandoned = router.route(request, [ReplicaView(name="r0")])
+        assert router.indexes["r0"].reserved == 20
+        router.finished(abandoned, False)
+        assert router.indexes["r0"].reserved == 0
+
+
+def test_another_gateways_running_request_holds_room_for_its_output_here_until_it_ends() -> None:
+    a, b = shared_pair(True)
+    text = chat_text(system_prompt(1), "q")
+    first = start_with_output(a, text, 40)
+    second = start_with_output(a, text, 10)  # the same prefix, a shorter output
+    assert b.indexes["r0"].reserved == 50 == a.indexes["r0"].reserved
+    # Releases name the prefix: the first gives back an even share, the last the rest.
+    a.finished(first, True)
+    assert b.indexes["r0"].reserved == 25 and a.indexes["r0"].reserved == 10
+    a.finished(second, True)
+    assert b.indexes["r0"].reserved == 0 == a.indexes["r0"].reserved
+    # A gateway that leaves gives back what its running requests held.
+    start_with_output(a, chat_text(system_prompt(2), "q"), 30)
+    assert b.indexes["r0"].reserved == 30
+    assert b.release_remote_pins("a") == 1
+    assert b.indexes["r0"].reserved == 0
 
 
 def test_another_gateways_running_request_keeps_its_prefix_in_this_index_until_it_ends() -> None:
@@ -624,7 +689,7 @@ def test_a_removed_replica_keeps_no_prefix_and_its_load_goes_when_forgotten() ->
 def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
     a, b = make_router(), make_router()
     recorded: list[tuple[str, list[int], float]] = []
-    a.on_record = lambda replica, hashes, cost, held: recorded.append(
+    a.on_record = lambda replica, hashes, cost, held, output: recorded.append(
         (replica, list(hashes), cost))
     text = chat_text(system_prompt(7), "q")
     # A warm prefix on a non-home replica: b, which never saw it, would route it elsewhere.
@@ -640,7 +705,7 @@ def test_remote_inserts_make_a_second_router_follow_the_first() -> None:
     assert applied == 2  # the unknown replica and the empty chain are skipped
     # b now holds what a recorded, on both replicas, without telling its own listener.
     seen: list[str] = []
-    b.on_record = lambda replica, hashes, cost, held: seen.append(replica)
+    b.on_record = lambda replica, hashes, cost, held, output: seen.append(replica)
     assert b.matched_blocks(other, recorded[1][1]) == len(recorded[1][1])
     d = b.route(b.request_from_text(chat_text(system_prompt(7), "s")),
                 [ReplicaView(name=other), ReplicaView(name="r9")])
@@ -1221,9 +1286,9 @@ def test_gateways_sharing_decisions_break_a_tie_between_holders_alike() -> None:
     def pair(shared: bool) -> tuple[str, str]:
         a, b = make_router(), make_router()
         if shared:
-            a.on_record = lambda replica, hashes, cost, held: b.apply_remote_inserts(
+            a.on_record = lambda replica, hashes, cost, held, output: b.apply_remote_inserts(
                 [(replica, hashes, cost)])
-            b.on_record = lambda replica, hashes, cost, held: a.apply_remote_inserts(
+            b.on_record = lambda replica, hashes, cost, held, output: a.apply_remote_inserts(
                 [(replica, hashes, cost)])
         text = chat_text(system_prompt(11), "q")
         for name in ("r0", "r1"):  # both hold it, in both routers' indexes

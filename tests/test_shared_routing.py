@@ -623,8 +623,8 @@ async def test_a_release_dropped_from_a_full_queue_lets_the_others_release_every
 async def test_through_http_a_request_running_on_one_gateway_is_pinned_by_the_other(
         redis_server: RedisServer) -> None:
     """The request path itself: a streamed completion running through gateway A holds its
-    prompt's prefix pinned in B's index until the replica ends it, whichever replica A
-    chose."""
+    prompt's prefix pinned in B's index, and room for its output (its max_tokens), until the
+    replica ends it, whichever replica A chose."""
     from routing.prompt import render_completion
     from tests.test_admission import holding
 
@@ -639,7 +639,7 @@ async def test_through_http_a_request_running_on_one_gateway_is_pinned_by_the_ot
 
         async def complete() -> list[Any]:
             stream = await client.completions.create(model="tiny", prompt=prompt,
-                                                     max_tokens=2, stream=True)
+                                                     max_tokens=300, stream=True)
             return [chunk async for chunk in stream]
 
         running = asyncio.create_task(complete())
@@ -648,12 +648,22 @@ async def test_through_http_a_request_running_on_one_gateway_is_pinned_by_the_ot
         await eventually(lambda: router_b.remote_pins(shared_a.id) == 1)
         replica = next(name for name, h in held.items() if h.prompts)
         assert router_b.indexes[replica].pinned_blocks == len(hashes)
+        # Half its max_tokens: a vLLM pool's engine allocates as it decodes.
+        assert router_b.output_reserve == 0.5
+        output_blocks = int(150 / (router_b.block_chars / router_b.chars_per_token))
+        assert output_blocks > 0
+        assert router_b.indexes[replica].reserved == output_blocks
         shown = {r["name"]: r for r in (await b.stats())["pools"][0]["replicas"]}
         assert shown[replica]["index_pinned_blocks"] == len(hashes)
+        assert shown[replica]["index_reserved_blocks"] == output_blocks
+        router_a = a.app.state.pool_by_name["realtime"].router
+        assert router_a.indexes[replica].reserved == output_blocks  # from its decision, as B
         held[replica].finish()
         chunks = await running
         assert "".join(c.choices[0].text for c in chunks) == "first last"
         await eventually(lambda: router_b.remote_pins() == 0)
         assert router_b.indexes[replica].pinned_blocks == 0
+        assert router_b.indexes[replica].reserved == 0
+        await eventually(lambda: router_a.indexes[replica].reserved == 0)
         # Still held as an ordinary entry: the engine keeps it cached after the request.
         assert router_b.matched_blocks(replica, hashes) == len(hashes)

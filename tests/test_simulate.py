@@ -605,7 +605,8 @@ def test_inserts_reach_the_other_gateway_at_most_once_per_flush_interval() -> No
 
 def test_the_simulated_gateways_pin_each_others_running_requests_as_the_real_ones_do() -> None:
     """What `--gateways N --set pin_running=true` measures: each gateway's held inserts
-    reach the others pinned, and the request's end releases them with the next write."""
+    reach the others pinned, with room for their output, and the request's end releases
+    them with the next write."""
     from loadtests.sim_sharing import Gateways, Sharing
     from routing import build_policy
     from routing.types import ReplicaView
@@ -615,17 +616,20 @@ def test_the_simulated_gateways_pin_each_others_running_requests_as_the_real_one
     gws = Gateways(routers, Sharing(True, 0.025, 0.05, 0.0))
     a, b = routers
     request = a.request_from_text("a long enough prompt")
+    request.output_tokens = 5 * request.block_tokens
     gws.now = 0.0
     decision = a.route(request, [ReplicaView(name="r1")])
     gws.run_until(0.0)
     assert b.remote_pins("0") == 1
     assert b.indexes["r1"].pinned_blocks == len(request.hashes)
+    assert b.indexes["r1"].reserved == 5
     gws.now = 0.03
     a.finished(decision, False)
     gws.run_until(0.049)  # not woken by a release: it waits for the next look at the load
     assert b.remote_pins() == 1
     gws.run_until(0.05)
     assert b.remote_pins() == 0 and b.indexes["r1"].pinned_blocks == 0
+    assert b.indexes["r1"].reserved == 0
 
 
 def test_load_is_published_as_the_gateway_encodes_it_when_looked_at() -> None:

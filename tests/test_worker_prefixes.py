@@ -223,28 +223,32 @@ def test_a_workers_running_requests_stay_pinned_in_the_others_until_they_end_or_
     b, wb = worker(tmp_path, 2, pin_running=True)
     router_a, router_b = a.pools[0].router, b.pools[0].router
 
-    def start(text: str) -> Decision:
+    def start(text: str, max_tokens_in_blocks: int) -> Decision:
         request = router_a.request_from_text(text)
+        request.output_tokens = max_tokens_in_blocks * request.block_tokens
         return router_a.route(request, [ReplicaView(name="replica-1")])
 
-    first, second = start("first " * 200), start("second " * 200)
+    assert router_a.output_reserve == 0.5  # a vLLM pool: half of each max_tokens
+    first, second = start("first " * 200, 8), start("second " * 200, 4)
     wa.write()
     wb.read(peers(tmp_path, wb))
+    index_b = router_b.indexes["replica-1"]
     assert router_b.remote_pins() == 2
-    assert router_b.indexes["replica-1"].pinned_blocks == len(first.hashes) + len(
-        second.hashes)
+    assert index_b.pinned_blocks == len(first.hashes) + len(second.hashes)
+    assert index_b.reserved == 6  # room for both outputs
     router_a.finished(first, True)
     wa.write()
     wb.read(peers(tmp_path, wb))
     assert router_b.remote_pins() == 1
-    assert router_b.indexes["replica-1"].pinned_blocks == len(second.hashes)
+    assert index_b.pinned_blocks == len(second.hashes) and index_b.reserved == 2
     # The worker died with its request running: the supervisor retires its file.
     os.replace(prefixes_path(tmp_path, 1), retired_path(tmp_path, 1))
     wb.read(peers(tmp_path, wb))
-    assert router_b.remote_pins() == 0 and router_b.indexes["replica-1"].pinned_blocks == 0
+    assert router_b.remote_pins() == 0 and index_b.pinned_blocks == 0
+    assert index_b.reserved == 0
     # Its replacement applies the dead worker's prefixes, and pins none of them.
     replacement, wr = worker(tmp_path, 3, pin_running=True)
     wr.read(peers(tmp_path, wr))
     router_r = replacement.pools[0].router
     assert router_r.matched_blocks("replica-1", second.hashes) == len(second.hashes)
-    assert router_r.remote_pins() == 0
+    assert router_r.remote_pins() == 0 and router_r.indexes["replica-1"].reserved == 0

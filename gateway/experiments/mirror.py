@@ -27,6 +27,7 @@ from gateway.exchange import InferenceRequest
 from gateway.experiments.live import CANDIDATE, LiveExperiment, Trial
 from gateway.observe import Observer
 from gateway.outcome import Finished, Outcome
+from gateway.parse import output_tokens
 from routing.prompt import render_chat, render_completion
 from routing.types import ReplicaView, RoutingRequest
 
@@ -145,6 +146,7 @@ class Mirror:
             trial.failed("no_replica")
             exp.count("dropped")
             return
+        routing.output_tokens = output_tokens(request.payload)
         decision = pool.router.route(routing, views)
         replica = pool.replicas[decision.replica]
         if replica.auth:
