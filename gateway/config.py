@@ -89,12 +89,13 @@ class RoutingSettings(BaseModel):
         16384, ge=1, description="prefix index size per replica, until the engine reports its own"
     )
     pin_running: bool = Field(
-        False, description="account in each replica's prefix index as its engine does: a "
+        True, description="account in each replica's prefix index as its engine does: a "
         "running request's prefix is pinned from its first token until it finishes (the "
-        "engine keeps those KV blocks), and the prefill still queued there gets room (the "
-        "engine holds none of it yet); false: a plain LRU over what was sent. Gateways "
-        "sharing routing state (and the workers of one gateway) pin each other's running "
-        "requests' prefixes too"
+        "engine keeps those KV blocks), its output takes room from the decision until it ends "
+        "(output_reserve), and the prefill still queued there gets room (the engine holds "
+        "none of it yet); false: a plain LRU over what was sent. Gateways sharing routing "
+        "state (and the workers of one gateway) pin each other's running requests' prefixes "
+        "and reserve their outputs too"
     )
     output_reserve: float | None = Field(
         None, ge=0.0, le=1.0, description="with pin_running, the share of a running request's "

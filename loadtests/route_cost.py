@@ -26,16 +26,18 @@ from routing.types import Decision, ReplicaView, RoutingRequest
 
 
 def prompts(router: Router, n: int, tenants: int, system_blocks: int,
-            own_blocks: int) -> list[RoutingRequest]:
+            own_blocks: int, max_tokens: int = 256) -> list[RoutingRequest]:
     """`n` requests of `system_blocks + own_blocks` chained blocks, as `router` makes them from
-    hashes: a tenant's system prompt (request i is tenant i % tenants's) and blocks of its own."""
+    hashes: a tenant's system prompt (request i is tenant i % tenants's) and blocks of its own;
+    each asks for `max_tokens`, as the gateway reads it from the request."""
     block_tokens = router.block_chars / router.chars_per_token
     out = []
     for i in range(n):
         hashes = [i % tenants * 1_000_003 + b for b in range(system_blocks)]
         hashes += [(i + 1) * 7_919_009 + b for b in range(own_blocks)]
-        out.append(router.request_from_hashes(hashes, len(hashes) * block_tokens,
-                                              block_tokens))
+        request = router.request_from_hashes(hashes, len(hashes) * block_tokens, block_tokens)
+        request.output_tokens = max_tokens
+        out.append(request)
     return out
 
 
@@ -93,6 +95,7 @@ def measure(settings: dict[str, Any], *, replicas: int = 8, requests: int = 20_0
         "rounds_us": per_request,
         "inflight_left": sum(router.load.inflight.values()),
         "pinned_left": sum(ix.pinned_blocks for ix in router.indexes.values()),
+        "reserved_left": sum(ix.reserved for ix in router.indexes.values()),
     }
 
 
