@@ -34,9 +34,10 @@ scored by their last heartbeat): every `_PEERS_EVERY_S` the reader refreshes its
 starts is read within about two seconds, and one silent for `_PEER_TTL_S` is dropped.
 
 With `pin_running`, each insert a gateway's request holds while it runs is marked so (a
-fifth item, 1), and the end of that request is written as a release (`e`: its replica and
-the last hash of its prefix). The others pin the prefix in their index from the insert to
-the release, as the engine holds it and as the gateway that sent it pins it: without that,
+fifth item, 1, and a sixth, the blocks its output holds, when it holds any), and the end of
+that request is written as a release (`e`: its replica and the last hash of its prefix). The
+others pin the prefix, and reserve its output's room, in their index from the insert to the
+release, as the engine holds them and as the gateway that sent it does: without that,
 each gateway's index let go of what the others' running requests held, and three gateways
 sent fewer warm requests where one would. A gateway releases every pin of another that
 leaves the registry, and all of them when Redis goes away or entries were lost (their

@@ -22,9 +22,9 @@ has requests in flight), each worker:
 
 With `pin_running`, the lines carry the ends of the requests that held their prefixes too
 (`e`, as the shared routing state's releases) and a worker pins the others' running
-requests' prefixes until they end, or until their worker's file leaves the listing (it
-stopped or died: its requests ended with it). A dead worker's prefixes that its replacement
-applies are not pinned.
+requests' prefixes, and reserves their outputs' room, until they end, or until their
+worker's file leaves the listing (it stopped or died: its requests ended with it). A dead
+worker's prefixes that its replacement applies are not pinned.
 
 A file that grows past `max_bytes` starts again: the worker writes the next line, headed by
 its current rates, to a new file and renames it over the old one. A reader keeps the old file
