@@ -34,6 +34,10 @@ from routing.policies import (
 
 EngineKind = Literal["vllm", "trtllm"]
 
+OUTPUT_RESERVE: dict[str, float] = {"trtllm": 1.0, "vllm": 0.5}
+"""`output_reserve` by engine, when not set: TensorRT-LLM's default scheduler reserves a
+request's whole output when it admits it; vLLM allocates as it decodes."""
+
 # RFC 9110 field-name: a token.
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -150,6 +154,10 @@ class RoutingSettings(BaseModel):
         """The chosen policy's settings, validated, its defaults filled in: what to pass to
         `routing.build_policy(self.policy, ...)`."""
         return validate_settings(self.policy, self.__pydantic_extra__ or {}).model_dump()
+
+    def output_reserve_for(self, engine: EngineKind) -> float:
+        """`output_reserve` as set, else as `engine` holds a running request's output."""
+        return self.output_reserve if self.output_reserve is not None else OUTPUT_RESERVE[engine]
 
     def for_policy(self, policy: str) -> RoutingSettings:
         """These settings for another policy: the router's as they are, and of the policy

@@ -145,6 +145,26 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def recorder(queue: deque[Shared], cap: int, pool: str, dropped: Callable[[Shared], None],
+             wake: asyncio.Event | None = None
+             ) -> Callable[[str, Sequence[int], float, bool, int], None]:
+    """`Router.on_record` for a gateway's (or worker's) queue of `pool`, on the request's
+    path: one append, the oldest item dropped past `cap`. The first item queued sets `wake`
+    (a gateway's writer writes it without waiting)."""
+    now = time.time
+
+    def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
+                 output_blocks: int) -> None:
+        if not queue:
+            if wake is not None:
+                wake.set()
+        elif len(queue) >= cap:
+            dropped(queue.popleft())
+        queue.append((pool, replica, now(), hashes, uncached, held, output_blocks))
+
+    return recorded
+
+
 def releaser(queue: deque[Shared], cap: int, pool: str,
              dropped: Callable[[Shared], None]) -> Callable[[str, int], None]:
     """`Router.on_release` for a gateway's (or worker's) queue of `pool`: the release is
@@ -169,20 +189,37 @@ def note_dropped(item: Shared, lost_releases: set[str], observer: Observer) -> N
         observer.shared_inserts(item[0], "dropped", 1)
 
 
+def insert_row(replica: str, at: float, hashes: Sequence[int], uncached: float, held: bool,
+               output_blocks: int) -> tuple[Any, ...]:
+    """One insert as written: (replica, decided at, hashes, uncached tokens), a fifth item,
+    1, when a request holds the prefix until its release (`releases_by_pool`), and a sixth,
+    the blocks its output holds there meanwhile, when there are any. orjson writes the tuple
+    and the hashes as arrays; the simulated gateways (loadtests/sim_sharing.py) write the same
+    rows."""
+    if not held:
+        return (replica, at, hashes, uncached)
+    if output_blocks:
+        return (replica, at, hashes, uncached, 1, output_blocks)
+    return (replica, at, hashes, uncached, 1)
+
+
+def remote_insert(row: Sequence[Any]) -> tuple[str, Sequence[int], float, bool, int]:
+    """A row `insert_row` wrote, as `Router.apply_remote_inserts` takes it: (replica, hashes,
+    uncached tokens, held, output blocks). No uncached tokens: an older gateway's row; no
+    output blocks: one that reserved none."""
+    n = len(row)
+    return (row[0], row[2], row[3] if n > 3 else 0.0, n > 4 and row[4] == 1,
+            int(row[5]) if n > 5 else 0)
+
+
 def by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each pool's inserts as written: (replica, decided at, hashes, uncached tokens), a
-    fifth item, 1, when a request holds the prefix until its release (`releases_by_pool`),
-    and a sixth, the blocks its output holds there meanwhile, when there are any. Gateways
-    write them to Redis, workers without it to their files (gateway/workerprefixes.py);
-    orjson writes the tuples and hashes as arrays."""
+    """Each pool's inserts as written (`insert_row`). Gateways write them to Redis, workers
+    without it to their files (gateway/workerprefixes.py)."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     for item in batch:
         if len(item) == 7:
-            pool, replica, at, hashes, uncached, held, output = item  # type: ignore[misc]
-            out.setdefault(pool, []).append(
-                (replica, at, hashes, uncached) if not held else
-                (replica, at, hashes, uncached, 1, output) if output else
-                (replica, at, hashes, uncached, 1))
+            pool, *row = item
+            out.setdefault(pool, []).append(insert_row(*row))
     return out
 
 
@@ -203,11 +240,7 @@ def apply_inserts(router: Router, observer: Observer, pool: str, items: Sequence
     With `source`, the one that wrote them, a prefix held by its request is pinned (with
     `pin_running`) until the release comes; without, nothing is pinned (inserts published
     again: their requests may have ended, and their releases gone by)."""
-    # No uncached tokens: an older gateway's entry; no output blocks: one that reserved none.
-    applied = router.apply_remote_inserts(
-        ((item[0], item[2], item[3] if len(item) > 3 else 0.0, len(item) > 4 and item[4] == 1,
-          int(item[5]) if len(item) > 5 else 0)
-         for item in items), source)
+    applied = router.apply_remote_inserts(map(remote_insert, items), source)
     observer.shared_inserts(pool, "applied", applied)
     if lag_since is None:
         return
@@ -281,29 +314,15 @@ class SharedRouting:
         self._conns: dict[str, Connection] = {}
         self._failures: set[str] = set()
         for pool in pools:
-            pool.router.on_record = self._recorder(pool.name)
+            pool.router.on_record = recorder(self.queue, self.settings.max_queue, pool.name,
+                                             self._dropped, self._wake)
             pool.router.on_release = releaser(self.queue, self.settings.max_queue, pool.name,
                                               self._dropped)
 
-    # On the request's path: one append ----------------------------------------------------
+    # On the request's path: one append (`recorder`, `releaser`) -----------------------------
 
     def _stream(self, pool: str, gateway: str) -> str:
         return self.link.key("routing", pool, "inserts", gateway)
-
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool, int], None]:
-        queue, cap, now, dropped = self.queue, self.settings.max_queue, time.time, self._dropped
-
-        wake = self._wake
-
-        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
-                     output_blocks: int) -> None:
-            if not queue:
-                wake.set()
-            elif len(queue) >= cap:
-                dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes, uncached, held, output_blocks))
-
-        return recorded
 
     def _dropped(self, item: Shared) -> None:
         note_dropped(item, self._lost_releases, self.observer)

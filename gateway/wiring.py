@@ -6,10 +6,6 @@ from backends.pool import Ejection, HealthTiming, Pool, PoolSpec, ReplicaSpec
 from gateway.config import EngineKind, GatewayConfig, PoolConfig, RoutingSettings
 from routing import Router, build_policy
 
-OUTPUT_RESERVE: dict[str, float] = {"trtllm": 1.0, "vllm": 0.5}
-"""`output_reserve` by engine, when not set: TensorRT-LLM's default scheduler reserves a
-request's whole output when it admits it; vLLM allocates as it decodes."""
-
 
 def build_router(routing: RoutingSettings, engine: EngineKind = "vllm") -> Router:
     """A pool's router, with its policy and settings (replicas are added by the pool)."""
@@ -23,8 +19,7 @@ def build_router(routing: RoutingSettings, engine: EngineKind = "vllm") -> Route
         prefill_tokens_per_s=routing.prefill_tokens_per_s,
         speed_decode_agrees=routing.speed_decode_agrees,
         pin_running=routing.pin_running,
-        output_reserve=(routing.output_reserve if routing.output_reserve is not None
-                        else OUTPUT_RESERVE[engine]),
+        output_reserve=routing.output_reserve_for(engine),
         decode_step_wait=routing.decode_step_wait,
         engine_speed=routing.engine_speed,
     )

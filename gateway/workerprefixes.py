@@ -45,7 +45,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ from gateway.shared_routing import (
     by_pool,
     encode_rates,
     note_dropped,
+    recorder,
     releaser,
     releases_by_pool,
 )
@@ -133,22 +134,12 @@ class WorkerPrefixes:
         self._peers: dict[str, _Peer] = {}
         self._read_retired = False
         for pool in pools:
-            pool.router.on_record = self._recorder(pool.name)
+            pool.router.on_record = recorder(self.queue, self.max_queue, pool.name,
+                                             self._dropped)
             pool.router.on_release = releaser(self.queue, self.max_queue, pool.name,
                                               self._dropped)
 
-    # On the request's path: one append ----------------------------------------------------
-
-    def _recorder(self, pool: str) -> Callable[[str, Sequence[int], float, bool, int], None]:
-        queue, cap, now, dropped = self.queue, self.max_queue, time.time, self._dropped
-
-        def recorded(replica: str, hashes: Sequence[int], uncached: float, held: bool,
-                     output_blocks: int) -> None:
-            if len(queue) >= cap:
-                dropped(queue.popleft())
-            queue.append((pool, replica, now(), hashes, uncached, held, output_blocks))
-
-        return recorded
+    # On the request's path: one append (`recorder`, `releaser`) -----------------------------
 
     def _dropped(self, item: Shared) -> None:
         note_dropped(item, self._lost_releases, self.observer)

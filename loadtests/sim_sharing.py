@@ -10,7 +10,14 @@ from typing import Any
 import orjson
 
 from gateway.config import SharedRoutingConfig
-from gateway.shared_routing import _BLOCK_S, RATES_INTERVAL_S, encode_load, encode_rates
+from gateway.shared_routing import (
+    _BLOCK_S,
+    RATES_INTERVAL_S,
+    encode_load,
+    encode_rates,
+    insert_row,
+    remote_insert,
+)
 from routing import Router
 from routing.load import sum_loads
 from routing.steps import sum_rates
@@ -174,11 +181,9 @@ class Gateways:
                 if learned != w.last_rates:
                     rates = w.last_rates = learned
         if batch or load is not None or rates is not None:
-            # As shared_routing.by_pool writes them: [replica, decided at, hashes, uncached,
-            # and 1 when held, and its output blocks if any], and releases_by_pool: [replica,
-            # last hash].
-            items = [(rep, t, h, u) if not held else (rep, t, h, u, 1, o) if o else
-                     (rep, t, h, u, 1)
+            # As shared_routing writes them: inserts by `insert_row`, releases as
+            # releases_by_pool does, [replica, last hash].
+            items = [insert_row(rep, t, h, u, held, o)
                      for rep, h, u, held, o in (i for i in batch if len(i) == 5)]
             ended = [i for i in batch if len(i) == 2]
             self._messages.append(_Message(
@@ -232,10 +237,8 @@ class Gateways:
                 r.rates[m.gateway] = orjson.loads(m.rates)
                 rates_changed = True
             if m.inserts is not None:
-                router.apply_remote_inserts(
-                    ((item[0], item[2], item[3], len(item) > 4,
-                      item[5] if len(item) > 5 else 0) for item in
-                     orjson.loads(m.inserts)), str(m.gateway))
+                router.apply_remote_inserts(map(remote_insert, orjson.loads(m.inserts)),
+                                            str(m.gateway))
             if m.releases is not None:
                 router.apply_remote_releases(str(m.gateway), orjson.loads(m.releases))
         r.cursor = i

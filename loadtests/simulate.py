@@ -351,8 +351,7 @@ def run_pool(
                         pin_running=settings.pin_running,
                         # The simulated engine reserves a request's whole output when it
                         # admits it, as TensorRT-LLM's default scheduler does.
-                        output_reserve=(1.0 if settings.output_reserve is None
-                                        else settings.output_reserve),
+                        output_reserve=settings.output_reserve_for("trtllm"),
                         decode_step_wait=settings.decode_step_wait,
                         engine_speed=settings.engine_speed)
         for n in names:

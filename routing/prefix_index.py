@@ -102,6 +102,17 @@ class PrefixIndex:
         self.room = room
         self._evict()
 
+    def reserve(self, blocks: int) -> None:
+        """`blocks` more of the capacity hold a running request's output. Counted from the
+        next eviction (the `insert` or `pin` that follows), so that the prefix recorded with
+        it is refreshed before anything is pushed out."""
+        self.reserved += blocks
+
+    def unreserve(self, blocks: int) -> None:
+        """That request ended: its output's blocks are free again (never below none: a
+        replica re-added while its requests ran has a new index that held none of them)."""
+        self.reserved = max(0, self.reserved - blocks)
+
     def _evict(self) -> None:
         blocks = self._blocks
         overflow = (len(blocks) + len(self._pinned) + self.reserved - self.capacity_blocks

@@ -188,7 +188,7 @@ class Router:
                 index.room = self._room(replica, uncached_tokens)
             # From the decision, not the first token: it also gives the room back if it is
             # abandoned while queued, and the other gateways reserve it from the same moment.
-            index.reserved += output_blocks
+            index.reserve(output_blocks)
             index.insert(hashes)
             if self.on_record is not None:
                 self.on_record(replica, hashes, uncached_tokens, held, output_blocks)
@@ -257,14 +257,14 @@ class Router:
         else:
             held[1] += 1
             held[2] += output_blocks
-        index.reserved += output_blocks
+        index.reserve(output_blocks)
         index.pin(hashes)
 
     def _unpin_remote(self, replica: str, hashes: Sequence[int], count: int,
                       output_blocks: int) -> None:
         index = self.indexes.get(replica)
         if index is not None:  # else removed since: its index went with it
-            index.reserved = max(0, index.reserved - output_blocks)
+            index.unreserve(output_blocks)
             for _ in range(count):
                 index.unpin(hashes)
 
@@ -377,7 +377,7 @@ class Router:
             index = self.indexes.get(decision.replica)
             if index is not None:
                 # Its prefill, computed or abandoned, is no longer queued there.
-                index.reserved = max(0, index.reserved - decision.output_blocks)
+                index.unreserve(decision.output_blocks)
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
                     index.unpin(decision.hashes)
