@@ -182,4 +182,5 @@ def test_the_output_a_request_may_generate_is_the_smaller_of_its_limits() -> Non
     assert output_tokens({"max_tokens": 300}) == 300
     assert output_tokens({"max_completion_tokens": 50, "max_tokens": 300}) == 50
     assert output_tokens({"max_tokens": None, "max_completion_tokens": 70}) == 70
+    assert output_tokens({"max_tokens": 20, "max_completion_tokens": 70}) == 20
     assert output_tokens({"prompt": "x"}) == 0  # unknown: nothing is reserved for it
