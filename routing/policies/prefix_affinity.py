@@ -134,6 +134,14 @@ class PrefixAffinitySettings(PolicySettings):
         "more of than every replica the cap allows: moving it there would only compute "
         "them again, with no queue for the balance to spare (at a quiet hour, turns of long "
         "conversations were computed again elsewhere). None: the cap moves it")
+    slow_cap_spare: bool = Field(True, description="at any load, with own_speed_outliers: "
+                                 "while every replica the time cap allows is one far slower "
+                                 "than the pool, a replica it left out stays eligible for a "
+                                 "request it holds idle_cap_recompute_tokens of prefill time "
+                                 "more of (at each replica's speed) than they do: the slow "
+                                 "replica would compute the context again at its own speed, "
+                                 "and is no second home for the requests to come (False: "
+                                 "only on an idle fleet, as for equal replicas)")
     tie_inflight_tokens: float | None = Field(
         32.0, ge=0.0, description="queue tokens counted per request in flight when ties "
         "among replicas holding as much of the prompt (more than none of it) are judged on an "
@@ -190,7 +198,9 @@ class PrefixAffinity(Policy):
     past the cap are left out while one under it is idle: on equal replicas balance by time
     costs about 1% of the mean TTFT; on a fleet of mixed speeds, where it costs far more, only
     with `time_cap_mixed_speeds`. On an idle fleet a replica the cap left out stays a
-    candidate for a prompt it holds `idle_cap_recompute_tokens` more of than the others.
+    candidate for a prompt it holds `idle_cap_recompute_tokens` more of than the others; at
+    any load too where the cap allows only replicas far slower than the pool
+    (`slow_cap_spare`), counted in prefill time at their speeds.
     """
 
     name = "prefix_affinity"
@@ -231,6 +241,7 @@ class PrefixAffinity(Policy):
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
         self.time_cap_mixed_speeds = s.time_cap_mixed_speeds
         self.idle_cap_recompute_tokens = s.idle_cap_recompute_tokens
+        self.slow_cap_spare = s.slow_cap_spare
         self.tie_inflight_tokens = s.tie_inflight_tokens
         self._seen_at: dict[str, int] = {}
         """Replica -> the decision at which the time cap last saw it among the views (up to
@@ -332,8 +343,8 @@ class PrefixAffinity(Policy):
             # the mean).
             self._start_returning(rows)
             if busy < 1.0:  # with no replica idle the cap never acts
-                rows = self._cap_by_time(rows, replicas, speeds, cold=best_match == 0,
-                                         idle_fleet=busy == 0.0)
+                rows = self._cap_by_time(rows, replicas, speeds, priced,
+                                         cold=best_match == 0, idle_fleet=busy == 0.0)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
             least = min(r.inflight for r in replicas)
@@ -392,9 +403,11 @@ class PrefixAffinity(Policy):
         )
 
     def _cap_by_time(self, rows: list[Row], replicas: Sequence[ReplicaView],
-                     speeds: Sequence[float], cold: bool, idle_fleet: bool) -> list[Row]:
+                     speeds: Sequence[float], priced: Sequence[float] | None, cold: bool,
+                     idle_fleet: bool) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
-        replica under it has no prefill queued, but on an `idle_fleet` (none has) those
+        replica under it has no prefill queued, but on an `idle_fleet` (none has), or where
+        it allows only replicas `priced` slower than the pool (`slow_cap_spare`), those
         holding a long context (`idle_cap_recompute_tokens`); a `cold` prompt (no replica
         holds any of it) that would pass the cap on every replica, eligible only where an
         idle replica is left with the least recent prefill; else `rows` as they are."""
@@ -424,9 +437,16 @@ class PrefixAffinity(Policy):
                 allowed = [a <= floor for a in after]
                 idle_under = True
                 eligible_under = any(a and row[4] for a, row in zip(allowed, rows, strict=True))
-        if (idle_fleet and idle_under and not all(allowed)
-                and self.idle_cap_recompute_tokens is not None):
-            allowed = self._spare_held(rows, allowed)
+        if idle_under and not all(allowed) and self.idle_cap_recompute_tokens is not None:
+            if self.slow_cap_spare and priced is not None and all(
+                    p < 1.0 for p, a in zip(priced, allowed, strict=True) if a):
+                # At any load: the slow replica would compute the context again at its own
+                # speed, and the costs send the later requests for it elsewhere, so the copy
+                # is no second home. On the slow fleet's Mooncake the cap sent a 51k- and a
+                # 76k-token context there, 26 s and 46 s of TTFT.
+                allowed = self._spare_held(rows, allowed, speeds)
+            elif idle_fleet:
+                allowed = self._spare_held(rows, allowed)
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
@@ -437,19 +457,23 @@ class PrefixAffinity(Policy):
             return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
         return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
 
-    def _spare_held(self, rows: list[Row], allowed: list[bool]) -> list[bool]:
+    def _spare_held(self, rows: list[Row], allowed: list[bool],
+                    speeds: Sequence[float] | None = None) -> list[bool]:
         """`allowed`, with every replica the cap left out that holds at least
         `idle_cap_recompute_tokens` more of the prompt than each replica it allows (fewer
-        uncached tokens) allowed again: on an idle fleet."""
+        uncached tokens; with `speeds`, their prefill time at each replica's speed) allowed
+        again."""
         # On an idle fleet the request's TTFT is its own prefill, and the prefill the cap
         # moves is not moved but made: computed again where it goes, while the holder's
         # idle time balances nothing. At the end of document Q&A a few long conversations
         # were left, their holders past the cap on a window of their own turns, and turns
         # were sent to compute 38k-74k-token contexts again (6-13 s, against 0.5-0.7 s).
         # Only long contexts: shorter ones (from 8,192 tokens) cost agent loops 1.2%.
-        least = min(row[3] for row, a in zip(rows, allowed, strict=True) if a)
+        times = ([row[3] for row in rows] if speeds is None else
+                 [row[3] / speed for row, speed in zip(rows, speeds, strict=True)])
+        least = min(t for t, a in zip(times, allowed, strict=True) if a)
         spare = least - self.idle_cap_recompute_tokens
-        return [a or row[3] <= spare for a, row in zip(allowed, rows, strict=True)]
+        return [a or t <= spare for a, t in zip(allowed, times, strict=True)]
 
     def _start_returning(self, rows: list[Row]) -> None:
         """A replica that joins, or comes back from longer than the window out of the views
