@@ -134,9 +134,10 @@ class PrefixAffinitySettings(PolicySettings):
         "more of than every replica the cap allows: moving it there would only compute "
         "them again, with no queue for the balance to spare (at a quiet hour, turns of long "
         "conversations were computed again elsewhere). None: the cap moves it")
-    slow_cap_spare: bool = Field(True, description="at any load, with own_speed_outliers: "
-                                 "while every replica the time cap allows is one far slower "
-                                 "than the pool, a replica it left out stays eligible for a "
+    slow_cap_spare: bool = Field(True, description="at any load, with own_speed_outliers, "
+                                 "on a fleet that is not of mixed speeds: while every "
+                                 "replica the time cap allows is one far slower than the "
+                                 "pool, a replica it left out stays eligible for a "
                                  "request it holds idle_cap_recompute_tokens of prefill time "
                                  "more of (at each replica's speed) than they do: the slow "
                                  "replica would compute the context again at its own speed, "
@@ -343,7 +344,9 @@ class PrefixAffinity(Policy):
             # the mean).
             self._start_returning(rows)
             if busy < 1.0:  # with no replica idle the cap never acts
-                rows = self._cap_by_time(rows, replicas, speeds, priced,
+                # Outliers' speeds only: a fleet of mixed speeds held to the cap
+                # (time_cap_mixed_speeds) asked its slow replicas to take their share.
+                rows = self._cap_by_time(rows, replicas, speeds, None if mixed else priced,
                                          cold=best_match == 0, idle_fleet=busy == 0.0)
         eligible_rows = [row for row in rows if row[4]]
         if not eligible_rows:
