@@ -501,12 +501,12 @@ def test_on_an_idle_pool_the_cap_still_moves_a_shorter_held_context() -> None:
 
 
 
-def turns_on_a_slow_fleet(policy: Policy) -> dict[str, int]:
+def turns_on_a_slow_fleet(policy: Policy, held: bool = True) -> dict[str, int]:
     """After a window in which "x", "y" and "z" took all the prefill (twelve cold 50k-token
     prompts, four each, while the others had long queues): 20 requests sharing a 20k-token
-    context "x" holds, each with its own 256-token suffix, while "z" has prefill queued (the
-    fleet is not idle) and "s", four times slower than the others, is idle: how many each
-    got."""
+    context "x" holds, each with its own 256-token suffix (or, not `held`, 20 cold prompts
+    as long), while "z" has prefill queued (the fleet is not idle) and "s", four times
+    slower than the others, is idle: how many each got."""
     router = Router(["x", "y", "z", "s"], policy, block_chars=128)
     for i in range(12):
         target = "xyz"[i % 3]
@@ -515,25 +515,33 @@ def turns_on_a_slow_fleet(policy: Policy) -> dict[str, int]:
         prompt = f"b{i:04d}" * 40_000
         assert router.route(router.request_from_text(prompt), filling).replica == target
     context = "c" * 80_000
-    router.record("x", router.request_from_text(context).hashes)
+    if held:
+        router.record("x", router.request_from_text(context).hashes)
     views = [ReplicaView(name="x"), ReplicaView(name="y"),
              ReplicaView(name="z", pending_prefill_tokens=5000.0),
              ReplicaView(name="s", speed=0.25)]
     counts = {"x": 0, "y": 0, "z": 0, "s": 0}
     for i in range(20):
-        counts[router.route(router.request_from_text(context + f"{i:04d}" * 256),
-                            views).replica] += 1
+        prompt = context + f"{i:04d}" * 256 if held else f"d{i:04d}" * 16_000
+        counts[router.route(router.request_from_text(prompt), views).replica] += 1
     return counts
 
 
 def test_the_cap_does_not_send_a_held_context_to_be_computed_again_on_a_slow_replica() -> None:
     # "s" is the one replica under the cap, and idle. Sent there, a request computes the 20k
-    # held tokens again at a quarter of the pool's speed (on the slow fleet's Mooncake, 26 s
-    # and 46 s of TTFT), while "x" would compute its suffix; the costs send the requests
-    # that follow back to the fast replicas, so the copy serves none of them.
+    # held tokens again at a quarter of the pool's speed, while "x" would compute its
+    # suffix; the costs send the requests that follow back to the fast replicas, so the
+    # copy serves none of them.
     assert turns_on_a_slow_fleet(capped(1.15)) == {"x": 20, "y": 0, "z": 0, "s": 0}
     # Without slow_cap_spare the spare is for an idle fleet only, and "z" has a queue.
     assert turns_on_a_slow_fleet(capped(1.15, slow_cap_spare=False))["s"] > 0
+
+
+def test_the_cap_does_not_send_a_long_cold_prompt_to_a_slow_replica() -> None:
+    # The same for a prompt nobody holds: on "s" its 20k tokens take four times as long (on
+    # the slow fleet's Mooncake, cold 51k- and 76k-token prompts took 26 s and 46 s there).
+    assert turns_on_a_slow_fleet(capped(1.15), held=False)["s"] == 0
+    assert turns_on_a_slow_fleet(capped(1.15, slow_cap_spare=False), held=False)["s"] > 0
 
 def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> str:
     """After a window in which "x" took most of the prefill: where a prompt longer than any

@@ -137,12 +137,12 @@ class PrefixAffinitySettings(PolicySettings):
     slow_cap_spare: bool = Field(True, description="at any load, with own_speed_outliers, "
                                  "on a fleet that is not of mixed speeds: while every "
                                  "replica the time cap allows is one far slower than the "
-                                 "pool, a replica it left out stays eligible for a "
-                                 "request it holds idle_cap_recompute_tokens of prefill time "
-                                 "more of (at each replica's speed) than they do: the slow "
-                                 "replica would compute the context again at its own speed, "
-                                 "and is no second home for the requests to come (False: "
-                                 "only on an idle fleet, as for equal replicas)")
+                                 "pool, a replica it left out stays eligible for a request "
+                                 "whose prefill there takes idle_cap_recompute_tokens less "
+                                 "time (at each replica's speed) than on them: the cap would "
+                                 "make the work it moves, a long prompt or a held context "
+                                 "computed at the slow replica's speed (False: only on an "
+                                 "idle fleet, as for equal replicas)")
     tie_inflight_tokens: float | None = Field(
         32.0, ge=0.0, description="queue tokens counted per request in flight when ties "
         "among replicas holding as much of the prompt (more than none of it) are judged on an "
@@ -200,8 +200,8 @@ class PrefixAffinity(Policy):
     costs about 1% of the mean TTFT; on a fleet of mixed speeds, where it costs far more, only
     with `time_cap_mixed_speeds`. On an idle fleet a replica the cap left out stays a
     candidate for a prompt it holds `idle_cap_recompute_tokens` more of than the others; at
-    any load too where the cap allows only replicas far slower than the pool
-    (`slow_cap_spare`), counted in prefill time at their speeds.
+    any load, where the cap allows only replicas far slower than the pool, one where the
+    request's prefill takes that much less time (`slow_cap_spare`).
     """
 
     name = "prefix_affinity"
@@ -409,9 +409,10 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float], priced: Sequence[float] | None, cold: bool,
                      idle_fleet: bool) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
-        replica under it has no prefill queued, but on an `idle_fleet` (none has), or where
-        it allows only replicas `priced` slower than the pool (`slow_cap_spare`), those
-        holding a long context (`idle_cap_recompute_tokens`); a `cold` prompt (no replica
+        replica under it has no prefill queued, but on an `idle_fleet` (none has) those
+        holding a long context (`idle_cap_recompute_tokens`), and where it allows only
+        replicas `priced` slower than the pool, those where the request's prefill takes that
+        much less time (`slow_cap_spare`); a `cold` prompt (no replica
         holds any of it) that would pass the cap on every replica, eligible only where an
         idle replica is left with the least recent prefill; else `rows` as they are."""
         recent = [self._recent_work(row[5]) for row in rows]
@@ -443,10 +444,11 @@ class PrefixAffinity(Policy):
         if idle_under and not all(allowed) and self.idle_cap_recompute_tokens is not None:
             if self.slow_cap_spare and priced is not None and all(
                     p < 1.0 for p, a in zip(priced, allowed, strict=True) if a):
-                # At any load: the slow replica would compute the context again at its own
-                # speed, and the costs send the later requests for it elsewhere, so the copy
-                # is no second home. On the slow fleet's Mooncake the cap sent a 51k- and a
-                # 76k-token context there, 26 s and 46 s of TTFT.
+                # At any load: on the slow replica the request's prefill takes several times
+                # as long, work the cap makes rather than moves, and a held context copied
+                # there is no second home (the costs send later requests for it elsewhere).
+                # On the slow fleet's Mooncake the cap sent cold 51k- and 76k-token prompts
+                # there, 26 s and 46 s of TTFT, with fast replicas idle of prefill.
                 allowed = self._spare_held(rows, allowed, speeds)
             elif idle_fleet:
                 allowed = self._spare_held(rows, allowed)
