@@ -34,7 +34,7 @@ from routing.policies import (
 
 EngineKind = Literal["vllm", "trtllm"]
 
-OUTPUT_RESERVE: dict[str, float] = {"trtllm": 1.0, "vllm": 0.5}
+OUTPUT_RESERVE: dict[EngineKind, float] = {"trtllm": 1.0, "vllm": 0.5}
 """`output_reserve` by engine, when not set: TensorRT-LLM's default scheduler reserves a
 request's whole output when it admits it; vLLM allocates as it decodes."""
 

@@ -452,14 +452,17 @@ def test_a_time_cap_outranks_the_in_flight_bound_on_an_idle_replica() -> None:
     assert counts["y"] > 0, counts
 
 
-def fill_the_window_on_x(router: Router, prompt_chars: int) -> None:
-    """12 cold prompts of `prompt_chars` characters, each sent to "x" while "y" and "z" have
-    far more prefill queued: the cap's window (10 decisions) is then all "x"'s."""
-    x_cheapest = [ReplicaView(name="x"), ReplicaView(name="y", pending_prefill_tokens=1e5),
-                  ReplicaView(name="z", pending_prefill_tokens=1e5)]
+def fill_the_window(router: Router, prompt_chars: int, targets: str = "x",
+                    names: str = "xyz", speeds: dict[str, float] | None = None) -> None:
+    """12 cold prompts of `prompt_chars` characters, the i-th sent to `targets[i % len]`
+    while every other replica of `names` (at `speeds`, else unknown) has far more prefill
+    queued: the cap's window (10 decisions) is then all the targets'."""
     for i in range(12):
+        target = targets[i % len(targets)]
+        views = [ReplicaView(name=name, pending_prefill_tokens=0.0 if name == target else 1e5,
+                             speed=(speeds or {}).get(name, 0.0)) for name in names]
         prompt = f"a{i:04d}" * (prompt_chars // 5)
-        assert router.route(router.request_from_text(prompt), x_cheapest).replica == "x"
+        assert router.route(router.request_from_text(prompt), views).replica == target
 
 
 def turns_of_a_long_context(policy: Policy, z_queued: float,
@@ -469,7 +472,7 @@ def turns_of_a_long_context(policy: Policy, z_queued: float,
     256-token suffix, on "x" and "y" idle and "z" with `z_queued` tokens of prefill queued:
     how many each got."""
     router = Router(["x", "y", "z"], policy, block_chars=128)
-    fill_the_window_on_x(router, prompt_chars=50_000)
+    fill_the_window(router, prompt_chars=50_000)
     context = "c" * context_chars
     router.record("x", router.request_from_text(context).hashes)
     views = [ReplicaView(name="x"), ReplicaView(name="y"),
@@ -500,7 +503,6 @@ def test_on_an_idle_pool_the_cap_still_moves_a_shorter_held_context() -> None:
     assert turns_of_a_long_context(capped(1.15), z_queued=0.0, context_chars=64_000)["y"] > 0
 
 
-
 def turns_on_a_slow_fleet(policy: Policy, held: bool = True) -> dict[str, int]:
     """After a window in which "x", "y" and "z" took all the prefill (twelve cold 50k-token
     prompts, four each, while the others had long queues): 20 requests sharing a 20k-token
@@ -508,12 +510,8 @@ def turns_on_a_slow_fleet(policy: Policy, held: bool = True) -> dict[str, int]:
     as long), while "z" has prefill queued (the fleet is not idle) and "s", four times
     slower than the others, is idle: how many each got."""
     router = Router(["x", "y", "z", "s"], policy, block_chars=128)
-    for i in range(12):
-        target = "xyz"[i % 3]
-        filling = [ReplicaView(name=name, pending_prefill_tokens=0.0 if name == target else 1e6,
-                               speed=0.25 if name == "s" else 0.0) for name in "xyzs"]
-        prompt = f"b{i:04d}" * 40_000
-        assert router.route(router.request_from_text(prompt), filling).replica == target
+    fill_the_window(router, prompt_chars=200_000, targets="xyz", names="xyzs",
+                    speeds={"s": 0.25})
     context = "c" * 80_000
     if held:
         router.record("x", router.request_from_text(context).hashes)
@@ -543,6 +541,7 @@ def test_the_cap_does_not_send_a_long_cold_prompt_to_a_slow_replica() -> None:
     assert turns_on_a_slow_fleet(capped(1.15), held=False)["s"] == 0
     assert turns_on_a_slow_fleet(capped(1.15, slow_cap_spare=False), held=False)["s"] > 0
 
+
 def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> str:
     """After a window in which "x" took most of the prefill: where a prompt longer than any
     replica's share of the window goes, with "x" idle and nothing in flight, "y" idle with 3
@@ -552,7 +551,7 @@ def where_a_long_prompt_goes(time_cap: float | None, x_holds_chars: int = 0) -> 
     prompt = "long" * 10_000
     if x_holds_chars:
         router.record("x", router.request_from_text(prompt[:x_holds_chars]).hashes)
-    fill_the_window_on_x(router, prompt_chars=2_000)
+    fill_the_window(router, prompt_chars=2_000)
     views = [ReplicaView(name="x"), ReplicaView(name="y", inflight=3),
              ReplicaView(name="z", pending_prefill_tokens=5000.0)]
     return router.route(router.request_from_text(prompt), views).replica

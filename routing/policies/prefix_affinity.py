@@ -418,10 +418,11 @@ class PrefixAffinity(Policy):
         recent = [self._recent_work(row[5]) for row in rows]
         total = sum(recent)
         cap = self.time_cap / len(rows)
+        # The request's own prefill on each replica, in time at its speed.
+        owns = [row[3] / speed for row, speed in zip(rows, speeds, strict=True)]
         allowed: list[bool] = []
         idle_under = eligible_under = False
-        for row, rec, speed, r in zip(rows, recent, speeds, replicas, strict=True):
-            own = row[3] / speed
+        for row, rec, own, r in zip(rows, recent, owns, replicas, strict=True):
             ok = rec + own <= cap * (total + own)
             allowed.append(ok)
             if ok:
@@ -433,8 +434,7 @@ class PrefixAffinity(Policy):
             # requests in flight, often the one the cap had kept idle for being the most
             # past it (agent loops on 32 replicas: one replica at 1.21 of the mean). With no
             # holder to lose, it goes to the idle replica it leaves with the least.
-            after = [rec + row[3] / speed
-                     for row, rec, speed in zip(rows, recent, speeds, strict=True)]
+            after = [rec + own for rec, own in zip(recent, owns, strict=True)]
             floor = min((a for a, r in zip(after, replicas, strict=True)
                          if r.pending_prefill_tokens <= 0.0), default=None)
             if floor is not None:
@@ -449,9 +449,9 @@ class PrefixAffinity(Policy):
                 # there is no second home (the costs send later requests for it elsewhere).
                 # On the slow fleet's Mooncake the cap sent cold 51k- and 76k-token prompts
                 # there, 26 s and 46 s of TTFT, with fast replicas idle of prefill.
-                allowed = self._spare_held(rows, allowed, speeds)
+                allowed = self._spare_held(allowed, owns)
             elif idle_fleet:
-                allowed = self._spare_held(rows, allowed)
+                allowed = self._spare_held(allowed, [row[3] for row in rows])
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
@@ -462,23 +462,19 @@ class PrefixAffinity(Policy):
             return [(*row[:4], a, *row[5:]) for a, row in zip(allowed, rows, strict=True)]
         return [(*row[:4], a and row[4], *row[5:]) for a, row in zip(allowed, rows, strict=True)]
 
-    def _spare_held(self, rows: list[Row], allowed: list[bool],
-                    speeds: Sequence[float] | None = None) -> list[bool]:
-        """`allowed`, with every replica the cap left out that holds at least
-        `idle_cap_recompute_tokens` more of the prompt than each replica it allows (fewer
-        uncached tokens; with `speeds`, their prefill time at each replica's speed) allowed
-        again."""
+    def _spare_held(self, allowed: list[bool], prefill: Sequence[float]) -> list[bool]:
+        """`allowed`, with every replica the cap left out where the request's `prefill`
+        (its uncached tokens, or their time at the replica's speed) is at least
+        `idle_cap_recompute_tokens` less than on each replica it allows allowed again."""
         # On an idle fleet the request's TTFT is its own prefill, and the prefill the cap
         # moves is not moved but made: computed again where it goes, while the holder's
         # idle time balances nothing. At the end of document Q&A a few long conversations
         # were left, their holders past the cap on a window of their own turns, and turns
         # were sent to compute 38k-74k-token contexts again (6-13 s, against 0.5-0.7 s).
         # Only long contexts: shorter ones (from 8,192 tokens) cost agent loops 1.2%.
-        times = ([row[3] for row in rows] if speeds is None else
-                 [row[3] / speed for row, speed in zip(rows, speeds, strict=True)])
-        least = min(t for t, a in zip(times, allowed, strict=True) if a)
+        least = min(p for p, a in zip(prefill, allowed, strict=True) if a)
         spare = least - self.idle_cap_recompute_tokens
-        return [a or t <= spare for a, t in zip(allowed, times, strict=True)]
+        return [a or p <= spare for a, p in zip(allowed, prefill, strict=True)]
 
     def _start_returning(self, rows: list[Row]) -> None:
         """A replica that joins, or comes back from longer than the window out of the views
