@@ -9,9 +9,9 @@ iterations since the previous call, so the newest entry is the current state.
 from __future__ import annotations
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.adapters.promtext import check_page, sample_sum, scan_samples
 from backends.upstream import Upstream, fetch_text
 
 _PROM_PATH = "/prometheus/metrics"
@@ -108,22 +108,26 @@ def iteration_prefill(payload: object) -> tuple[float, float, float] | None:
     return (tokens, seconds, requests) if timed else None
 
 
+_TRTLLM_READ = ("kv_cache_tokens_per_block", "kv_cache_reused_blocks", "kv_cache_missed_blocks",
+                "prompt_cache_hit_tokens", "prompt_tokens", "kv_cache_max_blocks",
+                "num_requests_running", "num_requests_waiting", "kv_cache_utilization",
+                "request_prefill_time_seconds_sum", "request_prefill_time_seconds_count")
+
+
 def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
-    """Normalise /prometheus/metrics; sniffs `trtllm_`-prefixed versus older bare names."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name.endswith("_created"):
-                continue
-            if name.endswith("_total"):
-                name = name[: -len("_total")]
-            values[name] = values.get(name, 0.0) + sample.value
-    prefixed = any(k.startswith("trtllm_") for k in values)
+    """Normalise /prometheus/metrics; sniffs `trtllm_`-prefixed versus older bare names.
+    Reads only the samples it uses (`scan_samples`); ValueError if it is not a Prometheus
+    page."""
+    check_page(text)
+    prefixed = text.startswith("trtllm_") or "\ntrtllm_" in text
     p = "trtllm_" if prefixed else ""
+    found = scan_samples(text, [p + name + suffix for name in _TRTLLM_READ
+                                for suffix in ("", "_total")])
 
     def get(name: str) -> float | None:
-        return values.get(p + name)
+        # A counter's samples end in _total; read under the name without it.
+        plain, suffixed = sample_sum(found, p + name), sample_sum(found, p + name + "_total")
+        return plain if suffixed is None else suffixed + (plain or 0.0)
 
     per_block = get("kv_cache_tokens_per_block")
     reused, missed = get("kv_cache_reused_blocks"), get("kv_cache_missed_blocks")

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
+from backends.adapters.promtext import check_page, parse_labels, sample_sum, scan_samples
 from backends.upstream import Timeouts, Upstream, UpstreamError, fetch_text
 
 # Current names first; the deprecated ones are read when the current ones are absent (older
@@ -18,90 +18,74 @@ _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 _FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_CACHE_CONFIG = "vllm:cache_config_info"
+_COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
 
 
 def parse_vllm_first_tokens(text: str) -> EngineSnapshot:
     """Only the count of first tokens of a vLLM /metrics page (summed over engines, as
-    `parse_vllm_metrics` does), by a scan of its lines: read every second while requests
-    passed through may wait, the whole page parsed cost the gateway 6.3 ms of CPU per replica
-    (a 48 kB page)."""
-    total: float | None = None
-    start = 0
-    while (at := text.find(_FIRST_TOKENS, start)) >= 0:
-        start = at + len(_FIRST_TOKENS)
-        if at > 0 and text[at - 1] != "\n":
-            continue  # in a comment or a label
-        end = text.find("\n", start)
-        rest = text[start:end if end >= 0 else None]
-        if rest[:1] == "{":
-            rest = rest[rest.rfind("}") + 1:]
-        elif rest[:1] not in (" ", "\t"):
-            continue  # another metric's name that begins with this one
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        total = value if total is None else total + value
-    return EngineSnapshot(first_tokens=total, source="vllm:first-tokens")
+    `parse_vllm_metrics` does): read every second while requests passed through may wait."""
+    first_tokens = sample_sum(scan_samples(text, (_FIRST_TOKENS,)), _FIRST_TOKENS)
+    return EngineSnapshot(first_tokens=first_tokens, source="vllm:first-tokens")
+
+
+# A counter's samples end in _total; the releases that named a metric without the suffix are
+# read under the same name.
+_COUNTERS = (*_HITS, *_QUERIES, "vllm:prompt_tokens")
+_READ = (*_KV_USAGE, *_COUNTERS, *(name + "_total" for name in _COUNTERS), _BY_SOURCE,
+         _FIRST_TOKENS, _RUNNING, _WAITING, _CACHE_CONFIG, _COMPUTED,
+         "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 
 
 def parse_vllm_metrics(text: str) -> EngineSnapshot:
-    """Normalise a vLLM /metrics page; sums over engines (data-parallel ranks)."""
-    sums: dict[str, float] = {}
-    block_size: int | None = None
-    num_blocks: int | None = None
-    engine_count = 0
-    local_compute: float | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name.endswith("_created"):
-                continue
-            if name == "vllm:num_requests_running":
-                engine_count += 1
-            if name == "vllm:cache_config_info":
-                labels = sample.labels
-                if labels.get("block_size", "").isdigit():
-                    block_size = int(labels["block_size"])
-                blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
-                if blocks and blocks.isdigit():
-                    num_blocks = (num_blocks or 0) + int(blocks)
-                continue
-            if name == _BY_SOURCE:
-                # One counter split by a source label; summing it by name would count the
-                # cache hits as computed tokens.
-                if sample.labels.get("source") == "local_compute":
-                    local_compute = (local_compute or 0.0) + sample.value
-                continue
-            # Counters appear as NAME_total; the parser keeps that suffix on samples.
-            if name.endswith("_total"):
-                name = name[: -len("_total")]
-            sums[name] = sums.get(name, 0.0) + sample.value
+    """Normalise a vLLM /metrics page; sums over engines (data-parallel ranks). Reads only the
+    samples it uses (`scan_samples`); ValueError if it is not a Prometheus page."""
+    check_page(text)
+    found = scan_samples(text, _READ)
+
+    def total(name: str) -> float | None:
+        plain, suffixed = sample_sum(found, name), sample_sum(found, name + "_total")
+        return plain if suffixed is None else suffixed + (plain or 0.0)
 
     def first(names: tuple[str, ...]) -> tuple[float | None, str]:
         for n in names:
-            if n in sums:
-                return sums[n], n
+            if (value := total(n)) is not None:
+                return value, n
         return None, ""
 
+    block_size: int | None = None
+    num_blocks: int | None = None
+    for label_text, _ in found.get(_CACHE_CONFIG, ()):
+        labels = parse_labels(label_text)
+        if labels.get("block_size", "").isdigit():
+            block_size = int(labels["block_size"])
+        blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
+        if blocks and blocks.isdigit():
+            num_blocks = (num_blocks or 0) + int(blocks)
+    # One counter split by a source label; summing it whole would count the cache hits as
+    # computed tokens.
+    local = [value for label_text, value in found.get(_BY_SOURCE, ())
+             if parse_labels(label_text).get("source") == "local_compute"]
+    local_compute = sum(local) if local else None
     kv, kv_name = first(_KV_USAGE)
     hits, hits_name = first(_HITS)
     queries, _ = first(_QUERIES)
-    engines = max(1, engine_count)
+    engines = max(1, len(found.get(_RUNNING, ())))
     # Best: the tokens each request computed in its prefill, observed with its prefill time
     # (both when it finishes), so that the two cover the same requests between two scrapes.
-    computed = sums.get("vllm:request_prefill_kv_computed_tokens_sum", local_compute)
-    prompt = sums.get("vllm:prompt_tokens")
+    computed = sample_sum(found, _COMPUTED)
+    if computed is None:
+        computed = local_compute
+    prompt = total("vllm:prompt_tokens")
     if computed is None and prompt is not None and hits is not None:
         # Releases before prompt_tokens_by_source. Hits are counted when a request is
         # scheduled, prompt tokens when its prefill ends, so hits can run ahead.
         computed = max(0.0, prompt - hits)
     return EngineSnapshot(
-        running=sums.get("vllm:num_requests_running"),
-        waiting=sums.get("vllm:num_requests_waiting"),
+        running=sample_sum(found, _RUNNING),
+        waiting=sample_sum(found, _WAITING),
         # A gauge per engine: the mean is the fleet-of-ranks usage.
         kv_usage=(kv / engines) if kv is not None else None,
         prefix_hit_tokens=hits,
@@ -109,10 +93,10 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         block_size=block_size,
         num_blocks=num_blocks,
         computed_prompt_tokens=computed,
-        prefill_seconds=sums.get("vllm:request_prefill_time_seconds_sum"),
-        prefills=sums.get("vllm:request_prefill_time_seconds_count"),
+        prefill_seconds=sample_sum(found, "vllm:request_prefill_time_seconds_sum"),
+        prefills=sample_sum(found, "vllm:request_prefill_time_seconds_count"),
         # Observed in the engine step that produces each request's first token.
-        first_tokens=sums.get("vllm:time_to_first_token_seconds_count"),
+        first_tokens=sample_sum(found, _FIRST_TOKENS),
         source="vllm:" + ("deprecated-names" if hits_name.startswith("vllm:gpu_") or
                           kv_name.startswith("vllm:gpu_") else "current-names"),
     )
