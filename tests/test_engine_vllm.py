@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backends.adapters.vllm import parse_vllm_first_tokens
 from gateway import processes
 from gateway.defaults import one_pool_config
+from routing.steps import RATE_MIN_SAMPLES
 from tests.conftest import poll, start_gateway, streaming_meanwhile
 
 pytestmark = pytest.mark.engine
@@ -146,6 +147,7 @@ def engine_prefill_rate_counters(url: str) -> tuple[float, float]:
 # many requests yield one depends on how busy the machine is: send requests until the rate is
 # learned, and give up only at this deadline.
 LEARN_DEADLINE_S = 900
+STATS_EVERY = 4
 
 
 def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_path) -> None:
@@ -158,12 +160,17 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0,
                           timeout=REQUEST_TIMEOUT_S)
 
+        spent = {"stats": 0.0, "requests": 0.0}  # where the wait went, if it runs out
+
         def pool_stats() -> dict:
             # As long as a completion may take: on a saturated machine the engine's busy loop
             # and the background stream leave the gateway little CPU, and a stats call has
             # been seen to wait over 30 s for it.
-            return httpx.get(gw.url + "/admin/stats",
-                             timeout=REQUEST_TIMEOUT_S).json()["pools"][0]
+            start = time.monotonic()
+            stats = httpx.get(gw.url + "/admin/stats",
+                              timeout=REQUEST_TIMEOUT_S).json()["pools"][0]
+            spent["stats"] += time.monotonic() - start
+            return stats
 
         # This tiny model decodes a token in milliseconds on CPU: without ignore_eos a
         # background stream would end long before the requests do.
@@ -171,16 +178,22 @@ def test_gateway_learns_the_prefill_rate_of_a_real_engine(vllm_replicas, tmp_pat
             deadline = time.monotonic() + LEARN_DEADLINE_S
             sent = 0
             # Until both rates are known: the gateway's own, from the steps it times, and the
-            # engine's, from its metrics (20 prefills counted between scrapes).
-            while not ((pool := pool_stats())["prefill_tokens_per_s"]
-                       and pool["replicas"][0]["engine_prefill_tokens_per_s"]):
-                assert time.monotonic() < deadline, f"not learned after {sent} requests: {pool}"
+            # engine's, from its metrics (20 prefills counted between scrapes). The gateway
+            # needs RATE_MIN_SAMPLES steps, at most one per request: asked after every
+            # STATS_EVERY requests, from then on.
+            while sent < RATE_MIN_SAMPLES or sent % STATS_EVERY or not (
+                    (pool := pool_stats())["prefill_tokens_per_s"]
+                    and pool["replicas"][0]["engine_prefill_tokens_per_s"]):
+                assert time.monotonic() < deadline, (
+                    f"not learned after {sent} requests (s spent {spent}): {pool_stats()}")
                 prompt = f"Request {sent}. " + " ".join(
                     f"fresh clause {sent}.{j} never seen before." for j in range(60))
                 # Streamed: a request's first token is what ends its prefill step (a
                 # non-streaming one is passed through whole by default).
+                start = time.monotonic()
                 list(c.completions.create(model="tiny", prompt=prompt, max_tokens=2,
                                           stream=True))
+                spent["requests"] += time.monotonic() - start
                 sent += 1
     finally:
         gw.stop()
