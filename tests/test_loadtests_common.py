@@ -248,8 +248,8 @@ def test_count_read_cost_reads_a_replica_and_its_server_cpu(tmp_path, capsys) ->
     assert float(rows["API server CPU ms per read"]) >= 0.0
     p50, p99 = (float(x) for x in rows["read latency p50 / p99 ms"].split(" / "))
     assert 0.0 < p50 <= p99
-    for row in ("gateway: full parse (a scrape) ms", "gateway: first-token scan (between "
-                "scrapes) ms"):
+    for row in ("prometheus_client: the whole page parsed ms", "gateway: a scrape's scan ms",
+                "gateway: first-token scan (between scrapes) ms"):
         assert float(rows[row]) > 0.0
 
 
