@@ -30,9 +30,10 @@ def scan_samples(text: str, names: Iterable[str]) -> dict[str, list[tuple[str, f
     """Every sample of each of `names` on the page, as (its label text, its value).
 
     An engine's page is mostly histogram buckets the gateway never reads: parsed whole with
-    prometheus_client, a 48 kB vLLM page cost 6 ms of the event loop, and scraped often on a
-    busy machine that parse left the gateway too little time to answer its clients. Each name
-    is found with `str.find` instead, which runs at C speed, and only its own lines are read.
+    prometheus_client (0.26), a 48 kB vLLM page held the event loop for 26 ms, and scraped
+    often on a busy machine that parse left the gateway too little time to answer its clients.
+    Each name is found with `str.find` instead, which runs at C speed, and only its own lines
+    are read (0.6 ms for that page).
     A name must begin a line (not a comment's, nor another metric's name it prefixes) and be
     followed by its labels or a space. A sample whose value does not parse is left out.
     """
