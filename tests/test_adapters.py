@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import orjson
@@ -182,8 +183,11 @@ def test_trtllm_prometheus_names_are_sniffed() -> None:
     new = """\
 # TYPE trtllm_num_requests_running gauge
 trtllm_num_requests_running{model_name="undefined",engine_type="undefined"} 4.0
+trtllm_num_requests_waiting{model_name="undefined",engine_type="undefined"} 2.0
+trtllm_kv_cache_utilization{model_name="undefined",engine_type="undefined"} 0.25
 # TYPE trtllm_kv_cache_tokens_per_block gauge
 trtllm_kv_cache_tokens_per_block{model_name="undefined",engine_type="undefined"} 32.0
+trtllm_kv_cache_max_blocks{model_name="undefined",engine_type="undefined"} 1000.0
 # TYPE trtllm_kv_cache_reused_blocks counter
 trtllm_kv_cache_reused_blocks_total{model_name="undefined",engine_type="undefined"} 3.0
 # TYPE trtllm_kv_cache_missed_blocks counter
@@ -191,8 +195,13 @@ trtllm_kv_cache_missed_blocks_total{model_name="undefined",engine_type="undefine
 """
     snap = parse_trtllm_prometheus(new)
     assert snap.source == "trtllm:prometheus-trtllm_-names"
-    assert snap.running == 4.0
+    assert (snap.running, snap.waiting, snap.kv_usage) == (4.0, 2.0, 0.25)
+    assert (snap.block_size, snap.num_blocks) == (32, 1000)
     assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (96.0, 128.0)
+    # The same page in the older bare names reads the same.
+    bare = parse_trtllm_prometheus(new.replace("trtllm_", ""))
+    assert bare.source == "trtllm:prometheus-bare-names"
+    assert dataclasses.replace(bare, source=snap.source) == snap
     old = """\
 # TYPE request_success counter
 request_success_total{model_name="undefined",engine_type="undefined",finished_reason="stop"} 7.0
@@ -217,6 +226,9 @@ trtllm_request_prefill_time_seconds_sum{model_name="m",engine_type="e"} 0.75
     snap = parse_trtllm_prometheus(new)
     assert snap.computed_prompt_tokens == 260.0
     assert (snap.prefill_seconds, snap.prefills) == (0.75, 3.0)
+    bare = parse_trtllm_prometheus(new.replace("trtllm_", ""))
+    assert (bare.computed_prompt_tokens, bare.prefill_seconds, bare.prefills) == (
+        260.0, 0.75, 3.0)
     # No hit counter, no way to tell computed from cached tokens.
     assert parse_trtllm_prometheus(new.split("# TYPE trtllm_prompt_cache_hit")[0]) \
         .computed_prompt_tokens is None

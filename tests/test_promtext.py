@@ -9,45 +9,40 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.adapters import EngineSnapshot
-from backends.adapters.promtext import check_page, parse_labels, sample_sum, scan_samples
+from backends.adapters import EngineSnapshot, promtext
 from backends.adapters.trtllm import parse_trtllm_prometheus
 from backends.adapters.vllm import parse_vllm_metrics
 from tests.conftest import ROOT
 from tests.test_adapters import _BY_SOURCE, _PREFILL_HIST, _PROMPT_AND_HITS, DEPRECATED
 
 
-def full_parse(text: str) -> tuple[dict[str, float], dict[str, list[dict[str, str]]]]:
+def full_parse(text: str) -> tuple[dict[str, float], dict[str, list[tuple[dict, float]]]]:
     """The page as prometheus_client parses it whole: each sample name's sum (a counter's
-    `_total` taken off), and each name's label sets."""
+    `_total` taken off), and each name's samples as (labels, value)."""
     sums: dict[str, float] = {}
-    labels: dict[str, list[dict[str, str]]] = {}
+    samples: dict[str, list[tuple[dict, float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
-            labels.setdefault(sample.name, []).append(sample.labels)
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
             name = sample.name.removesuffix("_total")
             sums[name] = sums.get(name, 0.0) + sample.value
-    return sums, labels
+    return sums, samples
 
 
 def vllm_by_full_parse(text: str) -> EngineSnapshot:
     """What parse_vllm_metrics read when it parsed the whole page with prometheus_client."""
-    sums, labels = full_parse(text)
+    sums, samples = full_parse(text)
     block_size = num_blocks = None
-    for info in labels.get("vllm:cache_config_info", ()):
+    for info, _ in samples.get("vllm:cache_config_info", ()):
         if info.get("block_size", "").isdigit():
             block_size = int(info["block_size"])
         blocks = info.get("num_gpu_blocks") or info.get("num_cpu_blocks")
         if blocks and blocks.isdigit():
             num_blocks = (num_blocks or 0) + int(blocks)
-    local = None
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:prompt_tokens_by_source_total" and \
-                    s.labels.get("source") == "local_compute":
-                local = (local or 0.0) + s.value
+    local = [value for labels, value in samples.get("vllm:prompt_tokens_by_source_total", ())
+             if labels.get("source") == "local_compute"]
     sums.pop("vllm:prompt_tokens_by_source", None)  # read by its source label alone
 
     def first(*names: str) -> tuple[float | None, str]:
@@ -56,8 +51,9 @@ def vllm_by_full_parse(text: str) -> EngineSnapshot:
     kv, kv_name = first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
     hits, hits_name = first("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
     queries, _ = first("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
-    engines = max(1, len(labels.get("vllm:num_requests_running", ())))
-    computed = sums.get("vllm:request_prefill_kv_computed_tokens_sum", local)
+    engines = max(1, len(samples.get("vllm:num_requests_running", ())))
+    computed = sums.get("vllm:request_prefill_kv_computed_tokens_sum",
+                        sum(local) if local else None)
     prompt = sums.get("vllm:prompt_tokens")
     if computed is None and prompt is not None and hits is not None:
         computed = max(0.0, prompt - hits)
@@ -92,35 +88,6 @@ def test_the_vllm_scan_reads_what_the_full_parse_reads(page: str) -> None:
     assert sum(v is not None for v in dataclasses.astuple(scanned)) >= 4
 
 
-def test_the_trtllm_scan_reads_what_the_full_parse_reads() -> None:
-    prefixed = """\
-# TYPE trtllm_num_requests_running gauge
-trtllm_num_requests_running{model_name="m",engine_type="e"} 4.0
-trtllm_num_requests_waiting{model_name="m",engine_type="e"} 2.0
-trtllm_kv_cache_utilization{model_name="m",engine_type="e"} 0.25
-trtllm_kv_cache_tokens_per_block{model_name="m",engine_type="e"} 32.0
-trtllm_kv_cache_max_blocks{model_name="m",engine_type="e"} 1000.0
-trtllm_kv_cache_reused_blocks_total{model_name="m",engine_type="e"} 3.0
-trtllm_kv_cache_missed_blocks_total{model_name="m",engine_type="e"} 1.0
-trtllm_prompt_tokens_total{model_name="m",engine_type="e"} 900.0
-trtllm_prompt_cache_hit_tokens_total{model_name="m",engine_type="e"} 640.0
-trtllm_request_prefill_time_seconds_count{model_name="m",engine_type="e"} 3.0
-trtllm_request_prefill_time_seconds_sum{model_name="m",engine_type="e"} 0.75
-"""
-    snap = parse_trtllm_prometheus(prefixed)
-    sums, _ = full_parse(prefixed)
-    assert (snap.running, snap.waiting, snap.kv_usage) == (4.0, 2.0, 0.25)
-    assert (snap.block_size, snap.num_blocks) == (32, 1000)
-    assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (96.0, 128.0)
-    assert snap.computed_prompt_tokens == sums["trtllm_prompt_tokens"] - sums[
-        "trtllm_prompt_cache_hit_tokens"] == 260.0
-    assert (snap.prefill_seconds, snap.prefills) == (0.75, 3.0)
-    # The same page in the older bare names reads the same.
-    bare = parse_trtllm_prometheus(prefixed.replace("trtllm_", ""))
-    assert dataclasses.replace(bare, source=snap.source) == snap
-    assert bare.source == "trtllm:prometheus-bare-names"
-
-
 def test_only_sample_lines_of_the_exact_name_are_read() -> None:
     page = (
         "vllm:x 1.0\n"  # the page's first line
@@ -134,20 +101,25 @@ def test_only_sample_lines_of_the_exact_name_are_read() -> None:
         "vllm:x{engine=\"3\"} NaN\n"
         "vllm:x{broken 5.0\n"
         "vllm:x\t+Inf")  # no line end
-    found = scan_samples(page, ["vllm:x", "vllm:absent"])
+    found = promtext.scan_samples(page, ["vllm:x", "vllm:absent"])
     assert "vllm:absent" not in found
     values = found["vllm:x"]
     assert [labels for labels, _ in values] == [
         "", 'engine="0",model_name="a} vllm:x 7"', 'engine="1"', 'engine="3"', ""]
     assert [v for _, v in values if not math.isnan(v)] == [1.0, 2.5, 4.0, math.inf]
-    assert sample_sum({"a": [("", 1.0), ("", 2.0)]}, "a") == 3.0
-    assert sample_sum({}, "a") is None
+    assert promtext.sample_sum({"a": [("", 1.0), ("", 2.0)]}, "a") == 3.0
+    assert promtext.sample_sum({}, "a") is None
+    # A counter read under its name, with or without the _total of its samples.
+    assert promtext.counter_sum({"a": [("", 1.0)], "a_total": [("", 2.0)]}, "a") == 3.0
+    assert promtext.counter_sum({"a_total": [("", 2.0)]}, "a") == 2.0
+    assert promtext.counter_sum({"a_totals": [("", 2.0)]}, "a") is None
+    assert promtext.with_totals(["a", "b"]) == ("a", "b", "a_total", "b_total")
 
 
 def test_label_values_are_unescaped() -> None:
-    assert parse_labels(r'source="local_compute",name="a \"b\", c\\d\n", le="+Inf"') == {
+    assert promtext.parse_labels(r'source="local_compute",name="a \"b\", c\\d\n", le="+Inf"') == {
         "source": "local_compute", "name": 'a "b", c\\d\n', "le": "+Inf"}
-    assert parse_labels("") == {}
+    assert promtext.parse_labels("") == {}
 
 
 @pytest.mark.parametrize("page", [
@@ -158,7 +130,7 @@ def test_label_values_are_unescaped() -> None:
 ])
 def test_a_page_that_is_not_prometheus_text_is_refused(page: str) -> None:
     with pytest.raises(ValueError, match="not a Prometheus text page"):
-        check_page(page)
+        promtext.check_page(page)
     with pytest.raises(ValueError):
         parse_vllm_metrics(page)
     with pytest.raises(ValueError):
@@ -170,5 +142,5 @@ def test_a_page_that_is_not_prometheus_text_is_refused(page: str) -> None:
 
 def test_an_empty_page_or_comments_alone_read_as_nothing() -> None:
     for page in ("", "\n", "# HELP x a gauge\n# TYPE x gauge\n"):
-        check_page(page)
+        promtext.check_page(page)
         assert parse_vllm_metrics(page) == EngineSnapshot(source="vllm:current-names")

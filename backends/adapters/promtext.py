@@ -71,6 +71,19 @@ def sample_sum(found: dict[str, list[tuple[str, float]]], name: str) -> float | 
     return None if samples is None else sum(value for _, value in samples)
 
 
+def with_totals(names: Iterable[str]) -> tuple[str, ...]:
+    """`names`, and each with `_total`: the names to scan for counters read by `counter_sum`."""
+    names = tuple(names)
+    return (*names, *(name + "_total" for name in names))
+
+
+def counter_sum(found: dict[str, list[tuple[str, float]]], name: str) -> float | None:
+    """`sample_sum` of `name` and of `name_total`: a counter's samples end in _total, and the
+    releases that exposed a metric without the suffix are read under the same name."""
+    plain, suffixed = sample_sum(found, name), sample_sum(found, name + "_total")
+    return plain if suffixed is None else suffixed + (plain or 0.0)
+
+
 def parse_labels(labels: str) -> dict[str, str]:
     """A sample's label text (inside its braces) as a dict."""
     return {key: re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group()], value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import orjson
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
-from backends.adapters.promtext import check_page, sample_sum, scan_samples
+from backends.adapters.promtext import check_page, counter_sum, scan_samples, with_totals
 from backends.upstream import Upstream, fetch_text
 
 _PROM_PATH = "/prometheus/metrics"
@@ -108,10 +108,13 @@ def iteration_prefill(payload: object) -> tuple[float, float, float] | None:
     return (tokens, seconds, requests) if timed else None
 
 
-_TRTLLM_READ = ("kv_cache_tokens_per_block", "kv_cache_reused_blocks", "kv_cache_missed_blocks",
-                "prompt_cache_hit_tokens", "prompt_tokens", "kv_cache_max_blocks",
-                "num_requests_running", "num_requests_waiting", "kv_cache_utilization",
-                "request_prefill_time_seconds_sum", "request_prefill_time_seconds_count")
+_TRTLLM_NAMES = ("kv_cache_tokens_per_block", "kv_cache_reused_blocks", "kv_cache_missed_blocks",
+                 "prompt_cache_hit_tokens", "prompt_tokens", "kv_cache_max_blocks",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_utilization",
+                 "request_prefill_time_seconds_sum", "request_prefill_time_seconds_count")
+# What to scan for: the `trtllm_`-prefixed names, or the older bare ones.
+_TRTLLM_READ = {prefix: with_totals(prefix + name for name in _TRTLLM_NAMES)
+                for prefix in ("trtllm_", "")}
 
 
 def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
@@ -121,13 +124,10 @@ def parse_trtllm_prometheus(text: str) -> EngineSnapshot:
     check_page(text)
     prefixed = text.startswith("trtllm_") or "\ntrtllm_" in text
     p = "trtllm_" if prefixed else ""
-    found = scan_samples(text, [p + name + suffix for name in _TRTLLM_READ
-                                for suffix in ("", "_total")])
+    found = scan_samples(text, _TRTLLM_READ[p])
 
     def get(name: str) -> float | None:
-        # A counter's samples end in _total; read under the name without it.
-        plain, suffixed = sample_sum(found, p + name), sample_sum(found, p + name + "_total")
-        return plain if suffixed is None else suffixed + (plain or 0.0)
+        return counter_sum(found, p + name)
 
     per_block = get("kv_cache_tokens_per_block")
     reused, missed = get("kv_cache_reused_blocks"), get("kv_cache_missed_blocks")

@@ -8,7 +8,14 @@ from typing import Any
 import orjson
 
 from backends.adapters.base import EngineAdapter, EngineSnapshot
-from backends.adapters.promtext import check_page, parse_labels, sample_sum, scan_samples
+from backends.adapters.promtext import (
+    check_page,
+    counter_sum,
+    parse_labels,
+    sample_sum,
+    scan_samples,
+    with_totals,
+)
 from backends.upstream import Timeouts, Upstream, UpstreamError, fetch_text
 
 # Current names first; the deprecated ones are read when the current ones are absent (older
@@ -31,10 +38,7 @@ def parse_vllm_first_tokens(text: str) -> EngineSnapshot:
     return EngineSnapshot(first_tokens=first_tokens, source="vllm:first-tokens")
 
 
-# A counter's samples end in _total; the releases that named a metric without the suffix are
-# read under the same name.
-_COUNTERS = (*_HITS, *_QUERIES, "vllm:prompt_tokens")
-_READ = (*_KV_USAGE, *_COUNTERS, *(name + "_total" for name in _COUNTERS), _BY_SOURCE,
+_READ = (*with_totals((*_KV_USAGE, *_HITS, *_QUERIES, "vllm:prompt_tokens")), _BY_SOURCE,
          _FIRST_TOKENS, _RUNNING, _WAITING, _CACHE_CONFIG, _COMPUTED,
          "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 
@@ -45,13 +49,9 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
     check_page(text)
     found = scan_samples(text, _READ)
 
-    def total(name: str) -> float | None:
-        plain, suffixed = sample_sum(found, name), sample_sum(found, name + "_total")
-        return plain if suffixed is None else suffixed + (plain or 0.0)
-
     def first(names: tuple[str, ...]) -> tuple[float | None, str]:
         for n in names:
-            if (value := total(n)) is not None:
+            if (value := counter_sum(found, n)) is not None:
                 return value, n
         return None, ""
 
@@ -78,7 +78,7 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
     computed = sample_sum(found, _COMPUTED)
     if computed is None:
         computed = local_compute
-    prompt = total("vllm:prompt_tokens")
+    prompt = counter_sum(found, "vllm:prompt_tokens")
     if computed is None and prompt is not None and hits is not None:
         # Releases before prompt_tokens_by_source. Hits are counted when a request is
         # scheduled, prompt tokens when its prefill ends, so hits can run ahead.
