@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -309,6 +311,33 @@ def test_the_oracle_held_to_an_imbalance_cap_keeps_it_and_says_what_it_costs() -
     assert capped["prefill_time_imbalance"] <= 1.2
     assert capped["requests"] == 60
     assert capped["ttft_mean_s"] > rows["oracle"]["ttft_mean_s"]  # balance is not free here
+
+
+def test_the_capped_oracle_runs_on_a_trace_file_over_a_fleet_given_on_the_command_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtests.experiments.balanced_oracle import main as balanced_main
+
+    # A held-out cell is a trace file, not a scoreboard scenario: the same comparison runs on
+    # it over the fleet `simulate` would build (two replicas, the second three times slower).
+    trace = tmp_path / "cell.jsonl"
+    trace.write_text("".join(json.dumps({
+        "timestamp": 400 * i, "input_length": 2048, "output_length": 8,
+        "hash_ids": [1, 2, 100 + i]}) + "\n" for i in range(30)))
+    assert balanced_main(["--trace", str(trace), "--replicas", "2", "--slow", "1:3",
+                          "--caps", "1.15,1.3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{trace}, 2 replicas, speedup 1" in out
+    rows = [line.split("|")[1].strip() for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| router")]
+    assert rows == ["prefix_affinity", "oracle", "oracle, cap 1.15", "oracle, cap 1.3"]
+    oracle_row = next(line for line in out.splitlines() if line.startswith("| oracle |"))
+    assert oracle_row.split("|")[3].strip() == "1.000"  # each run is against the plain oracle
+    with pytest.raises(SystemExit) as exc:  # a trace has no seed to change
+        balanced_main(["--trace", str(trace), "--seed", "3"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # one cell or the other, not both
+        balanced_main(["--trace", str(trace), "--scenario", "mixed:multi_turn/8/light"])
+    assert exc.value.code == 2
 
 
 def test_a_slow_replica_gets_proportionally_less_prefill() -> None:

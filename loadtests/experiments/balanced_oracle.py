@@ -10,6 +10,12 @@ out, unless every replica would), so that the price of the cap is measured, not 
 
     python -m loadtests.experiments.balanced_oracle --scenario mixed:multi_turn/8/light \\
         --caps 1.15,1.3,1.6
+
+A trace file that is no scoreboard scenario (a held-out cell) runs the same way, with the
+simulator's fleet options:
+
+    python -m loadtests.experiments.balanced_oracle --trace docs8.jsonl --replicas 8 \\
+        --speedup 0.5 --slow 1:3 --caps 1.15,1.3
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from dataclasses import replace
 from typing import Any
 
 from backends.sim.engine import EngineModel
-from backends.sim.fleet_spec import ReplicaProfile
+from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, fleet_profiles
 from loadtests.reference_policies import Oracle
 from loadtests.scoreboard import REPO, SCENARIOS, Scenario
-from loadtests.simulate import Workload, load_workload, make_policy, simulate
+from loadtests.simulate import DEFAULT_PROFILE, Workload, load_workload, make_policy, simulate
 from routing.policies.base import Policy, PrefixLookup
 from routing.types import Decision, ReplicaView, RoutingRequest
 
@@ -85,16 +91,47 @@ def run(sc: Scenario, caps: Sequence[float]) -> list[dict[str, Any]]:
     return compare(workload, sc.profiles(), caps)
 
 
+def print_rows(title: str, rows: Sequence[dict[str, Any]]) -> None:
+    """The runs of one cell as a markdown table, each against the plain oracle."""
+    oracle = rows[1]["ttft_mean_s"]
+    print(f"\n{title}\n")
+    print("| router | TTFT mean s | / oracle | p50 s | prefill time imb |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['router']} | {r['ttft_mean_s']:.3f} | {r['ttft_mean_s'] / oracle:.3f} "
+              f"| {r['ttft_p50_s']:.3f} | {r['prefill_time_imbalance']:.2f} |")
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     keys = [f"{s.key}/{s.replicas}/{s.load}" for s in SCENARIOS]
-    ap.add_argument("--scenario", required=True, action="append", choices=keys,
-                    metavar="KEY", help="a scoreboard scenario, e.g. mixed:multi_turn/8/light")
+    cell = ap.add_mutually_exclusive_group(required=True)
+    cell.add_argument("--scenario", action="append", choices=keys, metavar="KEY",
+                      help="a scoreboard scenario, e.g. mixed:multi_turn/8/light")
+    cell.add_argument("--trace", help="a Mooncake JSONL file, run over the fleet below")
+    ap.add_argument("--replicas", type=int, default=None, help="with --trace: default 8, or "
+                    "the --fleet's")
+    ap.add_argument("--fleet", default=None, help="with --trace: " + FLEET_HELP)
+    ap.add_argument("--slow", default=None, help="with --trace: " + SLOW_HELP)
+    ap.add_argument("--speedup", type=float, default=1.0, help="with --trace: divide arrival "
+                    "times by this")
     ap.add_argument("--caps", default="1.15", help="comma-separated imbalance caps")
     ap.add_argument("--seed", type=int, default=None,
                     help="the synthetic workload's seed instead of the scenario's")
     args = ap.parse_args(argv)
     caps = [float(c) for c in args.caps.split(",")]
+    if args.trace:
+        if args.seed is not None:
+            ap.error("--seed: a trace has no seed")
+        try:
+            fleet = fleet_profiles(args.replicas, DEFAULT_PROFILE, args.fleet, args.slow)
+        except ValueError as e:
+            ap.error(str(e))
+        workload = load_workload(args.trace, None, speedup=args.speedup)
+        print_rows(f"{args.trace}, {len(fleet)} replicas, speedup {args.speedup:g}",
+                   compare(workload, fleet, caps))
+        return 0
     by_key = dict(zip(keys, SCENARIOS, strict=True))
     if args.seed is not None and any(by_key[k].trace for k in args.scenario):
         ap.error("--seed: a trace scenario has no seed")
@@ -103,15 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.seed is not None:
             sc = replace(sc, params=(*[p for p in sc.params if p[0] != "seed"],
                                      ("seed", args.seed)))
-        rows = run(sc, caps)
-        oracle = rows[1]["ttft_mean_s"]
-        print(f"\n{sc.title}, {sc.replicas} replicas, {sc.load} load: `{sc.command()}`\n")
-        print("| router | TTFT mean s | / oracle | p50 s | prefill time imb |")
-        print("|---|---:|---:|---:|---:|")
-        for r in rows:
-            print(f"| {r['router']} | {r['ttft_mean_s']:.3f} | {r['ttft_mean_s'] / oracle:.3f} "
-                  f"| {r['ttft_p50_s']:.3f} | {r['prefill_time_imbalance']:.2f} |")
-        sys.stdout.flush()
+        print_rows(f"{sc.title}, {sc.replicas} replicas, {sc.load} load: `{sc.command()}`",
+                   run(sc, caps))
     return 0
 
 
