@@ -330,8 +330,21 @@ def test_the_capped_oracle_runs_on_a_trace_file_over_a_fleet_given_on_the_comman
     rows = [line.split("|")[1].strip() for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| router")]
     assert rows == ["prefix_affinity", "oracle", "oracle, cap 1.15", "oracle, cap 1.3"]
-    oracle_row = next(line for line in out.splitlines() if line.startswith("| oracle |"))
-    assert oracle_row.split("|")[3].strip() == "1.000"  # each run is against the plain oracle
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in out.splitlines() if line.startswith("| ")}
+    assert cells["oracle"][1] == "1.000"  # each run is against the plain oracle
+    # The slow replica is there: the plain oracle leaves it idle (all prefill time on the
+    # fast one), and held to 1.15 it pays for the balance. On two equal replicas the same
+    # cap would make it faster (0.71x: the shared prefix piles every request on one).
+    assert float(cells["oracle"][3]) > 1.5
+    assert float(cells["oracle, cap 1.15"][3]) <= 1.15
+    assert float(cells["oracle, cap 1.15"][1]) > 1.0
+    # The profile is the simulator's too: the 8B's replicas answer sooner than the 32B's.
+    balanced_main(["--trace", str(trace), "--replicas", "2", "--profile", "llama-8b-h200"])
+    fast = capsys.readouterr().out
+    oracle_s = [float(line.split("|")[2]) for text in (out, fast) for line in text.splitlines()
+                if line.startswith("| oracle |")]
+    assert oracle_s[1] < oracle_s[0]
     with pytest.raises(SystemExit) as exc:  # a trace has no seed to change
         balanced_main(["--trace", str(trace), "--seed", "3"])
     assert exc.value.code == 2

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 # A label pair inside braces; a value may hold escaped quotes and backslashes.
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_ESCAPED = re.compile(r'\\[\\"n]')
 # A sample line: a metric name, its labels if any, a value.
 _SAMPLE_LINE = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*(\{.*\})?[ \t]+\S")
 
@@ -86,5 +87,5 @@ def counter_sum(found: dict[str, list[tuple[str, float]]], name: str) -> float |
 
 def parse_labels(labels: str) -> dict[str, str]:
     """A sample's label text (inside its braces) as a dict."""
-    return {key: re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group()], value)
+    return {key: _ESCAPED.sub(lambda m: _UNESCAPE[m.group()], value)
             for key, value in _LABEL.findall(labels)}

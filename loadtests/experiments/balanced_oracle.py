@@ -28,6 +28,7 @@ from typing import Any
 
 from backends.sim.engine import EngineModel
 from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, fleet_profiles
+from backends.sim.profiles import PROFILES
 from loadtests.reference_policies import Oracle
 from loadtests.scoreboard import REPO, SCENARIOS, Scenario
 from loadtests.simulate import DEFAULT_PROFILE, Workload, load_workload, make_policy, simulate
@@ -114,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "the --fleet's")
     ap.add_argument("--fleet", default=None, help="with --trace: " + FLEET_HELP)
     ap.add_argument("--slow", default=None, help="with --trace: " + SLOW_HELP)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                    help="with --trace: the replicas' latency profile, where --fleet gives none")
     ap.add_argument("--speedup", type=float, default=1.0, help="with --trace: divide arrival "
                     "times by this")
     ap.add_argument("--caps", default="1.15", help="comma-separated imbalance caps")
@@ -125,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.seed is not None:
             ap.error("--seed: a trace has no seed")
         try:
-            fleet = fleet_profiles(args.replicas, DEFAULT_PROFILE, args.fleet, args.slow)
+            fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
         except ValueError as e:
             ap.error(str(e))
         workload = load_workload(args.trace, None, speedup=args.speedup)
