@@ -178,12 +178,44 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 def run_async(coro: Any) -> Any:
     """Run a load generator's coroutine, on uvloop when it is installed (on a small machine
-    the client must not be the bottleneck)."""
+    the client must not be the bottleneck). SIGTERM cancels it and raises KeyboardInterrupt,
+    as Ctrl-C does, so the caller's `finally` blocks stop what it started."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(_interruptible(coro))
+    return uvloop.run(_interruptible(coro))
+
+
+async def _interruptible(coro: Any) -> Any:
+    """`coro`, cancelled by SIGTERM through the loop. A Python signal handler that raises
+    (`sigterm_as_interrupt`) lands wherever the loop is: inside one of uvloop's transport
+    callbacks, KeyboardInterrupt is reported as a fatal transport error and the run goes on."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    terminated = False
+
+    def terminate() -> None:
+        nonlocal terminated
+        terminated = True
+        if task is not None:
+            task.cancel()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+    except (NotImplementedError, RuntimeError, ValueError):  # no signals here (not main thread)
+        return await coro
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if terminated:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        # remove_signal_handler leaves the default behind, not what was there before.
+        signal.signal(signal.SIGTERM, previous)
 
 
 def use_uvloop() -> None:

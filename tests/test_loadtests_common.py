@@ -6,10 +6,13 @@ import json
 import math
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -266,3 +269,43 @@ def test_worker_share_cost_times_both_sides_and_every_decision_crosses(capsys) -
     out = capsys.readouterr().out
     assert "100 decisions/s, 2 replicas, 20 ticks of 25 ms" in out
     assert out.splitlines()[-1].startswith("| 8 | ")
+
+
+SIGTERM_IN_A_CALLBACK = """
+import asyncio, os, signal, sys
+from loadtests.fleet import run_async, sigterm_as_interrupt
+
+class Client(asyncio.Protocol):
+    def data_received(self, data):
+        # The signal's Python handler runs here, inside the event loop's transport callback,
+        # where a benchmark's client spends most of its time.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+async def main():
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Server(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    await loop.create_connection(Client, "127.0.0.1", port)
+    await asyncio.sleep(20)  # the deadline: interrupted long before, or not at all
+    return "ran on"
+
+class Server(asyncio.Protocol):
+    def connection_made(self, transport):
+        transport.write(b"x")
+
+with sigterm_as_interrupt():
+    try:
+        print(run_async(main()))
+    except KeyboardInterrupt:
+        print("interrupted")
+"""
+
+
+def test_sigterm_interrupts_a_benchmarks_event_loop_wherever_it_lands() -> None:
+    # A benchmark stops its engines in `finally` blocks: SIGTERM must unwind run_async. Raised
+    # from a signal handler inside uvloop's transport callback, KeyboardInterrupt was reported
+    # as a fatal transport error and the run went on (vllm_bench kept its engines running).
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_CALLBACK], capture_output=True,
+                         text=True, timeout=60, cwd=str(repo))
+    assert out.stdout.strip() == "interrupted", out.stderr[-2000:]
