@@ -48,6 +48,7 @@ from loadtests.metrics import (
     QUERIES,
     RUNNING,
     WAITING,
+    labelled_values,
     scrape,
 )
 from loadtests.metrics import GATEWAY_TTFT as GW_TTFT
@@ -306,6 +307,37 @@ def start_gateway(fleet: Fleet, urls: Sequence[str], policy: str, hashing: str, 
                                health={"interval_s": 1.0, "metrics_interval_s": 0.5})
 
 
+EXPECTED_BLOCKS = "gateway_prefix_blocks_total"
+"""The blocks the gateway expected to hit, or miss, on the replica it chose (its index's
+estimate at routing time), labelled by `result`."""
+
+
+def expected_blocks(text: str) -> tuple[float, float]:
+    """(hit, miss) blocks the gateway expected, summed over its pools and replicas, from its
+    metrics page `text`."""
+    hit = miss = 0.0
+    for labels, value in labelled_values(text, EXPECTED_BLOCKS):
+        if labels.get("result") == "hit":
+            hit += value
+        elif labels.get("result") == "miss":
+            miss += value
+    return hit, miss
+
+
+async def gateway_expected(session: aiohttp.ClientSession, gw_url: str) -> tuple[float, float]:
+    """`expected_blocks` of the gateway at `gw_url` now."""
+    async with session.get(gw_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        r.raise_for_status()
+        return expected_blocks(await r.text())
+
+
+def expected_hit_ratio(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The share of the prompt blocks routed between two `expected_blocks` readings that the
+    gateway expected to hit; None if none was routed."""
+    hit, miss = after[0] - before[0], after[1] - before[1]
+    return hit / (hit + miss) if hit + miss > 0 else None
+
+
 async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: int,
                    max_tokens: int, tokenize_probe: bool) -> dict[str, Any]:
     """Reset caches, drive the workload through the gateway, diff the engines' counters."""
@@ -314,6 +346,7 @@ async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: 
     async with aiohttp.ClientSession() as s:
         before = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
         gw_before = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
+        expected_before = await gateway_expected(s, gw_url)
     stop = asyncio.Event()
     samples: list[list[float]] = []
     tok_times: list[float] = []
@@ -329,8 +362,11 @@ async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: 
     async with aiohttp.ClientSession() as s:
         after = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
         gw_after = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
-    return summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
-                     len(urls))
+        expected_after = await gateway_expected(s, gw_url)
+    res = summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
+                    len(urls))
+    res["gateway_expected_hit_ratio"] = expected_hit_ratio(expected_before, expected_after)
+    return res
 
 
 def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]],
@@ -513,6 +549,7 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
                 info["runs"].append(res)
                 log(f"[{label}] rep {rep} {v}: TTFT p50 {fmt_ms(res['ttft_p50_s'])} p90 "
                     f"{fmt_ms(res['ttft_p90_s'])} hit {fmt_ratio(res['engine_hit_ratio'])} "
+                    f"(expected {fmt_ratio(res['gateway_expected_hit_ratio'])}) "
                     f"errors {res['errors']} wall {res['wall_s']} s "
                     f"tenants {res['tenants_per_replica']} prefill rate "
                     f"{res['prefill_tokens_per_s']} steps {res['engine_step_s']}")
@@ -538,7 +575,8 @@ def aggregate(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[s
     for v in variants:
         rs = [r for r in runs if r["variant"] == v]
         out[v] = {k: median([r[k] for r in rs]) for k in (
-            "ttft_p50_s", "ttft_p90_s", "engine_hit_ratio", "client_cached_ratio",
+            "ttft_p50_s", "ttft_p90_s", "engine_hit_ratio", "gateway_expected_hit_ratio",
+            "client_cached_ratio",
             "engine_queue_mean_s", "gateway_minus_engine_ttft_s", "wall_s")}
         out[v]["runs"] = len(rs)
         out[v]["errors"] = sum(r["errors"] for r in rs)
@@ -559,11 +597,12 @@ def render(report: dict[str, Any]) -> str:
             rs = [r for r in ph["runs"] if r["variant"] == v]
             rows.append([v, *(median_range([r[k] for r in rs], f) for k, f in (
                 ("ttft_p50_s", fmt_ms), ("ttft_p90_s", fmt_ms), ("engine_hit_ratio", fmt_ratio),
+                ("gateway_expected_hit_ratio", fmt_ratio),
                 ("engine_queue_mean_s", fmt_ms), ("gateway_minus_engine_ttft_s", fmt_ms))),
                 str(sum(r["errors"] for r in rs)), str(len(rs))])
         lines.append(markdown_table(["variant", "TTFT p50 ms", "TTFT p90 ms", "engine hit ratio",
-                                     "queue mean ms", "gateway-engine TTFT ms", "errors",
-                                     "runs"], rows))
+                                     "gateway expected hit", "queue mean ms",
+                                     "gateway-engine TTFT ms", "errors", "runs"], rows))
     t = report.get("pressured", {}).get("tokenize_idle")
     if t:
         lines.append("/tokenize on an idle replica: " + ", ".join(

@@ -44,3 +44,23 @@ def test_kv_gib_covers_the_block_cap() -> None:
     gib = vb.kv_gib(77, 128, 16384)
     assert gib * vb.launch.GiB >= 77 * 128 * 16384
 
+
+
+def test_the_gateways_expected_hits_are_read_from_its_own_metrics_page() -> None:
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.prefix_blocks.inc(("bench", "vllm-0", "hit"), 30)
+    m.prefix_blocks.inc(("bench", "vllm-0", "miss"), 10)
+    before = vb.expected_blocks(generate_latest(m.registry).decode())
+    assert before == (30.0, 10.0)
+    m.prefix_blocks.inc(("bench", "vllm-1", "hit"), 6)
+    m.prefix_blocks.inc(("bench", "vllm-0", "miss"), 2)
+    # Another name that starts the same, and other series, are not counted.
+    text = generate_latest(m.registry).decode() + 'gateway_prefix_blocks_totals{result="hit"} 9\n'
+    after = vb.expected_blocks(text)
+    assert after == (36.0, 12.0)
+    assert vb.expected_hit_ratio(before, after) == 0.75  # 6 of the 8 blocks routed since
+    assert vb.expected_hit_ratio(after, after) is None
