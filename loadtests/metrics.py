@@ -20,6 +20,9 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 ENGINE_QUEUE = "vllm:request_queue_time_seconds"
 GATEWAY_TTFT = "gateway_time_to_first_token_seconds"
+GATEWAY_PREFIX_BLOCKS = "gateway_prefix_blocks_total"
+"""The prompt blocks the gateway expected to hit, or miss, on the replica it chose (its
+index's estimate at routing time), labelled `result`."""
 TRTLLM_NAMES = {
     HITS: "trtllm_prompt_cache_hit_tokens_total",
     QUERIES: "trtllm_prompt_tokens_total",

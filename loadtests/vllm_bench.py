@@ -49,8 +49,10 @@ from loadtests.metrics import (
     RUNNING,
     WAITING,
     labelled_values,
+    parse_sums,
     scrape,
 )
+from loadtests.metrics import GATEWAY_PREFIX_BLOCKS as EXPECTED_BLOCKS
 from loadtests.metrics import GATEWAY_TTFT as GW_TTFT
 from loadtests.report import cell, markdown_table, median_range
 from loadtests.settings import key_value
@@ -307,11 +309,6 @@ def start_gateway(fleet: Fleet, urls: Sequence[str], policy: str, hashing: str, 
                                health={"interval_s": 1.0, "metrics_interval_s": 0.5})
 
 
-EXPECTED_BLOCKS = "gateway_prefix_blocks_total"
-"""The blocks the gateway expected to hit, or miss, on the replica it chose (its index's
-estimate at routing time), labelled by `result`."""
-
-
 def expected_blocks(text: str) -> tuple[float, float]:
     """(hit, miss) blocks the gateway expected, summed over its pools and replicas, from its
     metrics page `text`."""
@@ -324,11 +321,18 @@ def expected_blocks(text: str) -> tuple[float, float]:
     return hit, miss
 
 
-async def gateway_expected(session: aiohttp.ClientSession, gw_url: str) -> tuple[float, float]:
-    """`expected_blocks` of the gateway at `gw_url` now."""
+def gateway_page_figures(text: str) -> dict[str, Any]:
+    """What a run diffs of the gateway's metrics page `text`: its TTFT histogram's sum and
+    count, and under "expected" its `expected_blocks`."""
+    return {**parse_sums(text, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count")),
+            "expected": expected_blocks(text)}
+
+
+async def gateway_figures(session: aiohttp.ClientSession, gw_url: str) -> dict[str, Any]:
+    """`gateway_page_figures` of the gateway at `gw_url` now, from one read of its page."""
     async with session.get(gw_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
         r.raise_for_status()
-        return expected_blocks(await r.text())
+        return gateway_page_figures(await r.text())
 
 
 def expected_hit_ratio(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -345,8 +349,7 @@ async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: 
     await asyncio.to_thread(reset_prefix_caches, urls)
     async with aiohttp.ClientSession() as s:
         before = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
-        gw_before = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
-        expected_before = await gateway_expected(s, gw_url)
+        gw_before = await gateway_figures(s, gw_url)
     stop = asyncio.Event()
     samples: list[list[float]] = []
     tok_times: list[float] = []
@@ -361,12 +364,9 @@ async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: 
     await asyncio.sleep(1.0)  # counters and the gateway's histograms settle after the last byte
     async with aiohttp.ClientSession() as s:
         after = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
-        gw_after = await scrape(s, gw_url, (f"{GW_TTFT}_sum", f"{GW_TTFT}_count"))
-        expected_after = await gateway_expected(s, gw_url)
-    res = summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
-                    len(urls))
-    res["gateway_expected_hit_ratio"] = expected_hit_ratio(expected_before, expected_after)
-    return res
+        gw_after = await gateway_figures(s, gw_url)
+    return summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
+                     len(urls))
 
 
 def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]],
@@ -375,10 +375,11 @@ def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]
 
 
 def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str, float]],
-              after: Sequence[dict[str, float]], gw_before: dict[str, float],
-              gw_after: dict[str, float], samples: Sequence[Sequence[float]],
+              after: Sequence[dict[str, float]], gw_before: dict[str, Any],
+              gw_after: dict[str, Any], samples: Sequence[Sequence[float]],
               tok_times: Sequence[float], n: int) -> dict[str, Any]:
-    """Client TTFT percentiles, engine hit ratio and queueing, gateway-minus-engine TTFT."""
+    """Client TTFT percentiles, engine hit ratio and the gateway's expected one, queueing,
+    gateway-minus-engine TTFT."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     hits, queries = _delta(before, after, HITS), _delta(before, after, QUERIES)
@@ -405,6 +406,8 @@ def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str,
         "ttft_p90_s": percentile(ttft, 0.9),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "engine_hit_ratio": sum(hits) / sum(queries) if sum(queries) else None,
+        "gateway_expected_hit_ratio": expected_hit_ratio(gw_before["expected"],
+                                                         gw_after["expected"]),
         "engine_hit_ratio_per_replica": [h / q if q else None for h, q in zip(hits, queries,
                                                                               strict=True)],
         "engine_prefill_tokens_per_replica": [int(q - h) for h, q in zip(hits, queries,

@@ -64,3 +64,32 @@ def test_the_gateways_expected_hits_are_read_from_its_own_metrics_page() -> None
     assert after == (36.0, 12.0)
     assert vb.expected_hit_ratio(before, after) == 0.75  # 6 of the 8 blocks routed since
     assert vb.expected_hit_ratio(after, after) is None
+
+
+def test_a_run_reports_the_gateways_expected_hits_beside_the_engines_from_one_page_read() -> None:
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+
+    def page() -> dict:
+        return vb.gateway_page_figures(generate_latest(m.registry).decode())
+
+    gw_before = page()
+    ttft = ("bench", "vllm-0", "realtime")
+    m.ttft.observe(ttft, 0.25)
+    m.ttft.observe(ttft, 0.75)
+    m.prefix_blocks.inc(("bench", "vllm-0", "hit"), 9)
+    m.prefix_blocks.inc(("bench", "vllm-0", "miss"), 1)
+    gw_after = page()
+    zero = dict.fromkeys(vb.COUNTERS, 0.0)
+    engine = {**zero, vb.HITS: 600.0, vb.QUERIES: 1000.0, f"{vb.ENGINE_TTFT}_sum": 0.8,
+              f"{vb.ENGINE_TTFT}_count": 2.0}
+    results = [vb.Result(0, 0, True, ttft_s=0.3, replica="vllm-0", prompt_tokens=500),
+               vb.Result(0, 1, True, ttft_s=0.8, replica="vllm-0", prompt_tokens=500)]
+    res = vb.summarize(results, 1.0, [zero], [engine], gw_before, gw_after, [], [], 1)
+    assert res["engine_hit_ratio"] == 0.6
+    assert res["gateway_expected_hit_ratio"] == 0.9  # the index believed more than was held
+    assert res["gateway_ttft_mean_s"] == 0.5
+    assert abs(res["gateway_minus_engine_ttft_s"] - 0.1) < 1e-9
