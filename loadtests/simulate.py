@@ -695,19 +695,36 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
                           for key, _, fmt in shadow] for r in reports])
 
 
+def add_fleet_options(ap: argparse.ArgumentParser, note: str = "") -> None:
+    """--replicas, --fleet, --slow and --profile: the simulated replicas and their speeds, as
+    `fleet_from_options` builds them; `note` starts each help text."""
+    ap.add_argument("--replicas", type=int, default=None,
+                    help=f"{note}default 8, or the --fleet's")
+    ap.add_argument("--fleet", default=None, help=note + FLEET_HELP)
+    ap.add_argument("--slow", default=None, help=note + SLOW_HELP)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                    help=f"{note}the replicas' latency profile, where --fleet gives none")
+
+
+def fleet_from_options(ap: argparse.ArgumentParser,
+                       args: argparse.Namespace) -> list[ReplicaProfile]:
+    """The fleet `add_fleet_options` describes; a usage error (exit 2) for one it cannot."""
+    try:
+        return fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL file or RAGPulse directory")
     src.add_argument("--workload", choices=sorted(SYNTHETIC), help="a synthetic workload")
-    ap.add_argument("--replicas", type=int, default=None, help="default 8, or the --fleet's")
-    ap.add_argument("--fleet", default=None, help=FLEET_HELP)
-    ap.add_argument("--slow", default=None, help=SLOW_HELP)
+    add_fleet_options(ap)
     ap.add_argument("--policy", default="prefix_affinity", choices=[*ALL_POLICIES, "all"])
     ap.add_argument("--limit", type=int, default=None, help="first N requests")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     ap.add_argument("--kv-capacity-tokens", type=int, default=DEFAULT_KV_CAPACITY_TOKENS)
-    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     ap.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT)
     ap.add_argument("--engine-block-tokens", type=int, default=DEFAULT_ENGINE_BLOCK_TOKENS)
     ap.add_argument("--metrics-interval-s", type=float, default=DEFAULT_METRICS_INTERVAL_S,
@@ -741,10 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = ap.parse_args(argv)
-    try:
-        fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
-    except ValueError as exc:
-        ap.error(str(exc))
+    fleet = fleet_from_options(ap, args)
     if not 0.0 <= args.stream_share <= 1.0:
         ap.error("--stream-share must be between 0 and 1")
     if args.gateways < 1:

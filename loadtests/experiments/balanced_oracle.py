@@ -27,11 +27,17 @@ from dataclasses import replace
 from typing import Any
 
 from backends.sim.engine import EngineModel
-from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, fleet_profiles
-from backends.sim.profiles import PROFILES
+from backends.sim.fleet_spec import ReplicaProfile
 from loadtests.reference_policies import Oracle
 from loadtests.scoreboard import REPO, SCENARIOS, Scenario
-from loadtests.simulate import DEFAULT_PROFILE, Workload, load_workload, make_policy, simulate
+from loadtests.simulate import (
+    Workload,
+    add_fleet_options,
+    fleet_from_options,
+    load_workload,
+    make_policy,
+    simulate,
+)
 from routing.policies.base import Policy, PrefixLookup
 from routing.types import Decision, ReplicaView, RoutingRequest
 
@@ -111,12 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cell.add_argument("--scenario", action="append", choices=keys, metavar="KEY",
                       help="a scoreboard scenario, e.g. mixed:multi_turn/8/light")
     cell.add_argument("--trace", help="a Mooncake JSONL file, run over the fleet below")
-    ap.add_argument("--replicas", type=int, default=None, help="with --trace: default 8, or "
-                    "the --fleet's")
-    ap.add_argument("--fleet", default=None, help="with --trace: " + FLEET_HELP)
-    ap.add_argument("--slow", default=None, help="with --trace: " + SLOW_HELP)
-    ap.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                    help="with --trace: the replicas' latency profile, where --fleet gives none")
+    add_fleet_options(ap, note="with --trace: ")
     ap.add_argument("--speedup", type=float, default=1.0, help="with --trace: divide arrival "
                     "times by this")
     ap.add_argument("--caps", default="1.15", help="comma-separated imbalance caps")
@@ -127,10 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trace:
         if args.seed is not None:
             ap.error("--seed: a trace has no seed")
-        try:
-            fleet = fleet_profiles(args.replicas, args.profile, args.fleet, args.slow)
-        except ValueError as e:
-            ap.error(str(e))
+        fleet = fleet_from_options(ap, args)
         workload = load_workload(args.trace, None, speedup=args.speedup)
         print_rows(f"{args.trace}, {len(fleet)} replicas, speedup {args.speedup:g}",
                    compare(workload, fleet, caps))

@@ -30,11 +30,8 @@ from typing import Any
 
 from backends.sim.engine import EngineModel
 from backends.sim.fleet_spec import (
-    FLEET_HELP,
-    SLOW_HELP,
     ReplicaProfile,
     describe,
-    fleet_profiles,
 )
 from gateway.config import RoutingSettings
 from loadtests import simulate as sim
@@ -165,9 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     src.add_argument("--trace")
     src.add_argument("--workload", choices=sorted(SYNTHETIC))
     ap.add_argument("--policy", default="prefix_affinity")
-    ap.add_argument("--replicas", type=int, default=None, help="default 8, or the --fleet's")
-    ap.add_argument("--fleet", default=None, help=FLEET_HELP)
-    ap.add_argument("--slow", default=None, help=SLOW_HELP)
+    sim.add_fleet_options(ap)
     ap.add_argument("--speedup", type=float, default=1.0)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--csv", help="write one row per request here")
@@ -176,10 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_param(ap)
     add_routing_settings(ap)
     args = ap.parse_args(argv)
-    try:
-        fleet = fleet_profiles(args.replicas, sim.DEFAULT_PROFILE, args.fleet, args.slow)
-    except ValueError as exc:
-        ap.error(str(exc))
+    fleet = sim.fleet_from_options(ap, args)
     workload = sim.load_workload(args.trace, args.workload, limit=args.limit,
                                  speedup=args.speedup, params=dict(args.workload_param))
     settings = sim.settings_for(args.policy, dict(args.settings))
