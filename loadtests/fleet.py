@@ -193,13 +193,13 @@ async def _interruptible(coro: Any) -> Any:
     callbacks, KeyboardInterrupt is reported as a fatal transport error and the run goes on."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    assert task is not None  # run_async's main task
     terminated = False
 
     def terminate() -> None:
         nonlocal terminated
         terminated = True
-        if task is not None:
-            task.cancel()
+        task.cancel()
 
     previous = signal.getsignal(signal.SIGTERM)
     try:
