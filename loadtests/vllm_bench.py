@@ -45,6 +45,7 @@ from loadtests.metrics import (
     ENGINE_TTFT,
     HITS,
     KV_USAGE,
+    PREEMPTIONS,
     QUERIES,
     RUNNING,
     WAITING,
@@ -61,7 +62,7 @@ from loadtests.stats import median, percentile
 from loadtests.traces import WORDS
 
 COUNTERS = (HITS, QUERIES, f"{ENGINE_TTFT}_sum", f"{ENGINE_TTFT}_count", f"{ENGINE_QUEUE}_sum",
-            f"{ENGINE_QUEUE}_count")
+            f"{ENGINE_QUEUE}_count", PREEMPTIONS)
 GAUGES = (WAITING, RUNNING, KV_USAGE)
 VARIANTS = ("round_robin", "least_load", "prefix_affinity", "prefix_affinity+engine_tokens")
 
@@ -195,6 +196,13 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    user: int = 0
+    expected_match: float | None = None
+    """The share of the prompt's blocks the gateway's index held on the replica it chose
+    (its `x-gateway-prefix-match` header)."""
+    sent_s: float = 0.0
+    """When it was sent, and when its first token came (perf_counter seconds)."""
+    first_token_s: float | None = None
 
 
 async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: int) -> Result:
@@ -202,12 +210,14 @@ async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: in
     body = {"model": MODEL, "messages": list(tr.messages), "max_tokens": max_tokens,
             "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
-    res = Result(tr.tenant, tr.turn, False)
-    t0 = time.perf_counter()
+    res = Result(tr.tenant, tr.turn, False, user=tr.user)
+    t0 = res.sent_s = time.perf_counter()
     try:
         async with s.post(url + "/v1/chat/completions", data=orjson.dumps(body),
                           headers={"Content-Type": "application/json"}) as r:
             res.replica = r.headers.get("x-gateway-replica", "")
+            match = r.headers.get("x-gateway-prefix-match")
+            res.expected_match = float(match) if match else None
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
@@ -221,7 +231,8 @@ async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: in
                 if res.ttft_s is None:
                     choices = chunk.get("choices") or [{}]
                     if (choices[0].get("delta") or {}).get("content"):
-                        res.ttft_s = time.perf_counter() - t0
+                        res.first_token_s = time.perf_counter()
+                        res.ttft_s = res.first_token_s - t0
     except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
         return res
@@ -342,8 +353,48 @@ def expected_hit_ratio(before: tuple[float, float], after: tuple[float, float]) 
     return hit / (hit + miss) if hit + miss > 0 else None
 
 
+def belief_gaps(results: Sequence[Result], block_tokens: int) -> dict[str, Any] | None:
+    """Where the gateway's index believed more of a prompt cached than the engine found.
+
+    Per request, the gateway's expected share (its prefix-match header) of the prompt's tokens
+    against the engine's `cached_tokens`. A request is `short` when the engine held more than
+    one KV block less than expected (less is rounding: the two count in different blocks);
+    `in_flight` when, as it was sent, an earlier request of its tenant on the same replica had
+    not returned its first token (the shared prefix was sent there but not yet computed);
+    `engine_cold` when the engine held less than one block of it. Points are shares of all
+    prompt tokens. None without requests that carry both figures.
+    """
+    ok = [r for r in results if r.ok]
+    rows = [r for r in ok if r.expected_match is not None and r.prompt_tokens]
+    if not rows:
+        return None
+    prompt = sum(r.prompt_tokens for r in rows)
+
+    def shortfall(r: Result) -> float:
+        assert r.expected_match is not None
+        return r.expected_match * r.prompt_tokens - r.cached_tokens
+
+    def behind_in_flight(r: Result) -> bool:
+        return any(o is not r and o.replica == r.replica and o.tenant == r.tenant
+                   and o.sent_s < r.sent_s
+                   and (o.first_token_s is None or o.first_token_s > r.sent_s) for o in ok)
+
+    short = [r for r in rows if shortfall(r) > block_tokens]
+    in_flight = [r for r in short if behind_in_flight(r)]
+    return {
+        "requests": len(rows),
+        "expected_cached_ratio": sum(shortfall(r) + r.cached_tokens for r in rows) / prompt,
+        "engine_cached_ratio": sum(r.cached_tokens for r in rows) / prompt,
+        "short": len(short),
+        "short_points": sum(shortfall(r) for r in short) / prompt,
+        "in_flight": len(in_flight),
+        "in_flight_points": sum(shortfall(r) for r in in_flight) / prompt,
+        "engine_cold": sum(1 for r in short if r.cached_tokens < block_tokens),
+    }
+
+
 async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: int,
-                   max_tokens: int, tokenize_probe: bool) -> dict[str, Any]:
+                   max_tokens: int, tokenize_probe: bool, block_tokens: int) -> dict[str, Any]:
     """Reset caches, drive the workload through the gateway, diff the engines' counters."""
     # Blocking, in a thread: nothing else runs on this loop yet.
     await asyncio.to_thread(reset_prefix_caches, urls)
@@ -366,7 +417,7 @@ async def run_once(urls: Sequence[str], gw_url: str, wl: Workload, concurrency: 
         after = await asyncio.gather(*(scrape(s, u, COUNTERS) for u in urls))
         gw_after = await gateway_figures(s, gw_url)
     return summarize(results, wall, before, after, gw_before, gw_after, samples, tok_times,
-                     len(urls))
+                     len(urls), block_tokens)
 
 
 def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]],
@@ -377,8 +428,9 @@ def _delta(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]
 def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str, float]],
               after: Sequence[dict[str, float]], gw_before: dict[str, Any],
               gw_after: dict[str, Any], samples: Sequence[Sequence[float]],
-              tok_times: Sequence[float], n: int) -> dict[str, Any]:
-    """Client TTFT percentiles, engine hit ratio and the gateway's expected one, queueing,
+              tok_times: Sequence[float], n: int, block_tokens: int = 128) -> dict[str, Any]:
+    """Client TTFT percentiles, engine hit ratio and the gateway's expected one (and where
+    they part, `belief_gaps` of engine blocks of `block_tokens`), preemptions, queueing,
     gateway-minus-engine TTFT."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -408,6 +460,8 @@ def summarize(results: Sequence[Result], wall: float, before: Sequence[dict[str,
         "engine_hit_ratio": sum(hits) / sum(queries) if sum(queries) else None,
         "gateway_expected_hit_ratio": expected_hit_ratio(gw_before["expected"],
                                                          gw_after["expected"]),
+        "engine_preemptions": sum(_delta(before, after, PREEMPTIONS)),
+        "belief": belief_gaps(results, block_tokens),
         "engine_hit_ratio_per_replica": [h / q if q else None for h, q in zip(hits, queries,
                                                                               strict=True)],
         "engine_prefill_tokens_per_replica": [int(q - h) for h, q in zip(hits, queries,
@@ -449,7 +503,8 @@ def run_variant(urls: Sequence[str], variant: str, wl: Workload, args: argparse.
                                  settings)
     try:
         res = run_async(run_once(urls, gw_url, wl, args.concurrency, args.max_tokens,
-                                 tokenize_probe=hashing == "engine_tokens"))
+                                 tokenize_probe=hashing == "engine_tokens",
+                                 block_tokens=args.block_size))
         res.update(step_figures(gw_url))
     finally:
         fleet.stop_process(proc)
@@ -553,6 +608,8 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
                 log(f"[{label}] rep {rep} {v}: TTFT p50 {fmt_ms(res['ttft_p50_s'])} p90 "
                     f"{fmt_ms(res['ttft_p90_s'])} hit {fmt_ratio(res['engine_hit_ratio'])} "
                     f"(expected {fmt_ratio(res['gateway_expected_hit_ratio'])}) "
+                    f"short {describe_belief(res['belief'])} "
+                    f"preemptions {res['engine_preemptions']:.0f} "
                     f"errors {res['errors']} wall {res['wall_s']} s "
                     f"tenants {res['tenants_per_replica']} prefill rate "
                     f"{res['prefill_tokens_per_s']} steps {res['engine_step_s']}")
@@ -562,6 +619,16 @@ def phase(label: str, args: argparse.Namespace, model_dir: Path, blocks: int,
 
 
 # -- report ----------------------------------------------------------------------------------
+
+
+def describe_belief(belief: dict[str, Any] | None) -> str:
+    """`belief_gaps` in one phrase: requests short of what the gateway expected (of them, in
+    flight, engine-cold) and the points they cost."""
+    if not belief:
+        return "-"
+    return (f"{belief['short']}/{belief['requests']} (in flight {belief['in_flight']}, "
+            f"engine-cold {belief['engine_cold']}; {belief['short_points']:.3f} of the prompt "
+            f"tokens, {belief['in_flight_points']:.3f} in flight)")
 
 
 def fmt_ms(v: float | None) -> str:

@@ -93,3 +93,28 @@ def test_a_run_reports_the_gateways_expected_hits_beside_the_engines_from_one_pa
     assert res["gateway_expected_hit_ratio"] == 0.9  # the index believed more than was held
     assert res["gateway_ttft_mean_s"] == 0.5
     assert abs(res["gateway_minus_engine_ttft_s"] - 0.1) < 1e-9
+
+
+def test_belief_gaps_separate_a_prefix_still_in_flight_from_one_the_engine_let_go():
+    # Tenant 0: r1 sent while r0 (same tenant, same replica) had no first token yet; the
+    # engine held nothing of what the index expected. r2 came later and found only part of
+    # it. r3 is short by less than a block: rounding, not a gap. r4 expected nothing.
+    def req(tenant: int, sent: float, first: float, match: float, cached: int) -> vb.Result:
+        return vb.Result(tenant, 0, True, ttft_s=first - sent, replica="vllm-0",
+                         prompt_tokens=1000, cached_tokens=cached, expected_match=match,
+                         sent_s=sent, first_token_s=first)
+
+    results = [req(0, 0.0, 2.0, 0.0, 0), req(0, 1.0, 3.0, 0.8, 0), req(0, 5.0, 6.0, 0.9, 400),
+               req(1, 5.0, 6.0, 0.9, 800), req(1, 7.0, 8.0, 0.0, 0),
+               vb.Result(2, 0, False, replica="vllm-0", error="HTTP 500")]
+    gaps = vb.belief_gaps(results, block_tokens=128)
+    assert gaps is not None
+    assert gaps["requests"] == 5
+    assert gaps["short"] == 2 and gaps["in_flight"] == 1 and gaps["engine_cold"] == 1
+    assert abs(gaps["short_points"] - (800 + 500) / 5000) < 1e-9
+    assert abs(gaps["in_flight_points"] - 800 / 5000) < 1e-9
+    assert abs(gaps["expected_cached_ratio"] - 2600 / 5000) < 1e-9
+    assert abs(gaps["engine_cached_ratio"] - 1200 / 5000) < 1e-9
+    assert "2/5 (in flight 1, engine-cold 1" in vb.describe_belief(gaps)
+    # Without the gateway's header (a policy that routes without an index) there is no figure.
+    assert vb.belief_gaps([vb.Result(0, 0, True, ttft_s=0.1, prompt_tokens=10)], 128) is None
