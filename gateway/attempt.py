@@ -120,7 +120,7 @@ class Attempt:
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
         self.sent()  # if still held: nothing is left to interrupt
-        pool.router.finished(self.decision, self.saw_first)
+        pool.router.finished(self.decision, self.saw_first, watcher.completion_tokens())
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:
             tokens = watcher.usage.get("prompt_tokens")

@@ -20,6 +20,7 @@ def build_router(routing: RoutingSettings, engine: EngineKind = "vllm") -> Route
         speed_decode_agrees=routing.speed_decode_agrees,
         pin_running=routing.pin_running,
         output_reserve=routing.output_reserve_for(engine),
+        output_cached=routing.output_cached,
         decode_step_wait=routing.decode_step_wait,
         engine_speed=routing.engine_speed,
     )

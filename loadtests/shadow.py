@@ -68,8 +68,8 @@ class Shadow:
     def first_token(self, rid: int, now: float, sent_at: float) -> None:
         self.router.first_token(self._decision(rid), now, sent_at)
 
-    def finished(self, rid: int, saw_first_token: bool = True) -> None:
-        self.router.finished(self._decision(rid), saw_first_token)
+    def finished(self, rid: int, saw_first_token: bool = True, output_tokens: int = 0) -> None:
+        self.router.finished(self._decision(rid), saw_first_token, output_tokens)
 
 
 class ReplayShadow:

@@ -297,6 +297,7 @@ def run_pool(
     stream_share: float = 1.0,
     first_tokens: str = "count",
     passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
+    engine_caches_outputs: bool = False,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -333,7 +334,8 @@ def run_pool(
     profs = list(profiles)
     replicas = len(profs)
     names = [f"r{i}" for i in range(replicas)]
-    engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens)
+    engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens,
+                              cache_outputs=engine_caches_outputs)
                for n, p in zip(names, profs, strict=True)}
     engine_list = [engines[n] for n in names]
     # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
@@ -352,6 +354,7 @@ def run_pool(
                         # The simulated engine reserves a request's whole output when it
                         # admits it, as TensorRT-LLM's default scheduler does.
                         output_reserve=settings.output_reserve_for("trtllm"),
+                        output_cached=settings.output_cached,
                         decode_step_wait=settings.decode_step_wait,
                         engine_speed=settings.engine_speed)
         for n in names:
@@ -488,9 +491,9 @@ def run_pool(
             elif ev.kind == "finished":
                 finish_at[rid] = ev.time
                 out_tokens[rid] = ev.tokens
-                routers[g].finished(decided(rid), streamed[rid])
+                routers[g].finished(decided(rid), streamed[rid], ev.tokens)
                 if shade is not None:
-                    shade.finished(rid, streamed[rid])
+                    shade.finished(rid, streamed[rid], ev.tokens)
                 if streamed[rid]:
                     streaming[g][i] -= 1
             gws.changed(g, t)
@@ -581,6 +584,7 @@ def simulate(
     stream_share: float = 1.0,
     first_tokens: str = "count",
     passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
+    engine_caches_outputs: bool = False,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
@@ -603,7 +607,8 @@ def simulate(
                    policy_factory=policy_factory, metrics_interval_s=metrics_interval_s,
                    gateways=gateways, sharing=sharing, stream_share=stream_share,
                    first_tokens=first_tokens,
-                   passed_through_interval_s=passed_through_interval_s)
+                   passed_through_interval_s=passed_through_interval_s,
+                   engine_caches_outputs=engine_caches_outputs)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -754,6 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="how often, between scrapes, those counts alone are read where "
                          "requests passed through may wait for their prefill (the gateway's "
                          "health.passed_through_interval_s; 0: never)")
+    ap.add_argument("--engine-caches-outputs", action="store_true",
+                    help="the simulated engines keep a finished request's full output blocks "
+                         "cached, as vLLM does (they push out older prefixes); default: "
+                         "freed when it ends")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -786,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           metrics_interval_s=args.metrics_interval_s or None,
                           gateways=args.gateways, sharing=sharing,
                           stream_share=args.stream_share, first_tokens=args.first_tokens,
-                          passed_through_interval_s=args.passed_through_interval_s or None)
+                          passed_through_interval_s=args.passed_through_interval_s or None,
+                          engine_caches_outputs=args.engine_caches_outputs)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

@@ -22,10 +22,15 @@ class PrefixIndex:
       queued there): the index holds them from the moment they are sent, the engine only once
       it computes them, and without the loan they would push out blocks the engine still has;
     - `reserved` blocks of the capacity hold no prefix at all: the output of the requests
-      running there, which the engine keeps KV for beside their prompts.
+      running there, which the engine keeps KV for beside their prompts;
+    - a request's output stays cached once it ends (`unpin` with `output_blocks`): engines
+      keep every full block they computed, generated ones too, and free a request's blocks
+      tail first, so its output is evicted just before its prompt. No later prompt matches
+      it (a client sends back the text, and the next turn's template differs), but it takes
+      room that would otherwise hold older prefixes.
     """
 
-    __slots__ = ("_blocks", "_pinned", "capacity_blocks", "reserved", "room")
+    __slots__ = ("_blocks", "_next_output", "_pinned", "capacity_blocks", "reserved", "room")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
@@ -35,6 +40,9 @@ class PrefixIndex:
         self._pinned: dict[int, int] = {}  # block -> running requests holding it
         self.room = 0
         self.reserved = 0
+        # Keys of cached output blocks: negative, so no prompt's hash (an unsigned digest)
+        # ever matches one.
+        self._next_output = -1
 
     def __len__(self) -> int:
         return len(self._blocks) + len(self._pinned)
@@ -82,9 +90,15 @@ class PrefixIndex:
                 pinned[h] = 1
         self._evict()  # a block pinned after the index let it go counts again
 
-    def unpin(self, hashes: Sequence[int]) -> None:
-        """That request ended: its blocks are evictable again, the most recent, tail first."""
+    def unpin(self, hashes: Sequence[int], output_blocks: int = 0) -> None:
+        """That request ended: its blocks are evictable again, the most recent, tail first,
+        after the `output_blocks` it generated (evicted before its prompt's blocks)."""
         blocks, pinned = self._blocks, self._pinned
+        if output_blocks > 0:
+            key = self._next_output
+            for k in range(key, key - output_blocks, -1):
+                blocks[k] = None
+            self._next_output = key - output_blocks
         for h in reversed(hashes):
             held = pinned.get(h)
             if held is None:

@@ -43,6 +43,7 @@ class Router:
         speed_decode_agrees: float = DECODE_AGREES,
         pin_running: bool = False,
         output_reserve: float = 1.0,
+        output_cached: bool = False,
         decode_step_wait: bool = True,
         engine_speed: bool = True,
     ) -> None:
@@ -59,6 +60,10 @@ class Router:
         self.output_reserve = output_reserve
         """With `pin_running`, the share of a running request's `output_tokens` its engine
         holds KV for (1.0: reserved whole at admission; vLLM allocates as it decodes)."""
+        self.output_cached = output_cached
+        """With `pin_running`, a finished request's output stays in its replica's index as
+        blocks no prompt matches, the tokens it generated (`finished`): its engine keeps
+        them cached, and they push out older prefixes."""
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees, decode_step_wait,
                                 engine_speed)
         self.indexes: dict[str, PrefixIndex] = {}
@@ -164,6 +169,7 @@ class Router:
         """`request` goes as `decision` says: the decision carries its blocks (pinned while
         it runs, with `pin_running`), the replica's index records them, the policy is told."""
         decision.hashes = request.hashes
+        decision.block_tokens = request.block_tokens
         if self.pin_running and request.output_tokens > 0.0 and request.block_tokens > 0.0:
             decision.output_blocks = int(request.output_tokens * self.output_reserve
                                          / request.block_tokens)
@@ -370,8 +376,10 @@ class Router:
         if self._tell_load:
             self._load_update(decision.replica)
 
-    def finished(self, decision: Decision, saw_first_token: bool) -> None:
-        """The attempt `decision` ended (answered, failed or abandoned)."""
+    def finished(self, decision: Decision, saw_first_token: bool,
+                 output_tokens: int = 0) -> None:
+        """The attempt `decision` ended (answered, failed or abandoned), having generated
+        `output_tokens` (cached there with `output_cached`)."""
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
         if self.pin_running and decision.hashes:
             index = self.indexes.get(decision.replica)
@@ -380,13 +388,21 @@ class Router:
                 index.unreserve(decision.output_blocks)
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
-                    index.unpin(decision.hashes)
+                    index.unpin(decision.hashes, self._output_blocks(decision, output_tokens))
             if self.on_release is not None:
                 self.on_release(decision.replica, decision.hashes[-1])
         if self._tell_finished:
             self.policy.on_finished(decision, saw_first_token)
         if self._tell_load:
             self._load_update(decision.replica)
+
+    def _output_blocks(self, decision: Decision, output_tokens: int) -> int:
+        """The index blocks `output_tokens` generated under `decision` fill (`output_cached`):
+        round, not floor, since on the engine the output's first block is shared with the
+        prompt's partial last one, on average half of it."""
+        if not self.output_cached or output_tokens <= 0 or decision.block_tokens <= 0.0:
+            return 0
+        return round(output_tokens / decision.block_tokens)
 
     def _load_update(self, replica: str) -> None:
         load = self.load

@@ -44,6 +44,22 @@ def test_the_output_a_running_request_holds_is_by_the_pools_engine_unless_set() 
         parse_config(two_pools(output_reserve=1.5))
 
 
+async def test_a_finished_requests_output_stays_in_the_index_with_output_cached() -> None:
+    from tests.inprocess import gateway
+
+    held: dict[bool, int] = {}
+    for cached in (False, True):
+        async with gateway(two_pools(realtime=1, batch=1, output_cached=cached)) as gw:
+            stream = await gw.openai().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "tell me a story " * 60}],
+                max_tokens=256, stream=True, stream_options={"include_usage": True})
+            usage = [chunk.usage async for chunk in stream if chunk.usage]
+            assert usage[-1].completion_tokens == 256
+            held[cached] = len(gw.app.state.pool_by_name["realtime"].router.indexes["rt-0"])
+    # 256 blocks of characters at 4 characters a token are 64 tokens: 256 tokens fill 4.
+    assert held[True] - held[False] == 4
+
+
 BAD = """\
 pools:
   - name: rt

@@ -111,6 +111,48 @@ def test_prefix_index_lends_room_to_blocks_not_computed_yet() -> None:
     assert len(index) == 4
 
 
+def test_a_finished_requests_output_is_evicted_after_older_prefixes_and_before_its_prompt(
+) -> None:
+    def after_a_request_with(output_blocks: int) -> PrefixIndex:
+        index = PrefixIndex(capacity_blocks=5)
+        index.insert([10])  # an older prefix
+        index.insert([1, 2])
+        index.pin([1, 2])
+        index.unpin([1, 2], output_blocks=output_blocks)
+        index.insert([20])  # a newer one pushes out what is least recent
+        return index
+
+    assert after_a_request_with(0).match([10]) == 1
+    index = after_a_request_with(2)
+    # The output took the room the older prefix had; the request's prompt is kept whole.
+    assert index.match([10]) == 0 and index.match([1, 2]) == 2 and len(index) == 5
+    index.insert([30, 40])  # the output's two blocks go next, still before the prompt
+    assert index.match([1, 2]) == 2
+    index.insert([50])
+    assert index.match([1, 2]) == 1  # then the prompt, tail first
+    assert index.pinned_blocks == 0
+
+
+def test_a_router_with_output_cached_leaves_the_tokens_a_request_generated_in_its_index(
+) -> None:
+    for cached, grown in ((True, 3), (False, 0)):
+        router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
+                        index_capacity_blocks=64, pin_running=True, output_cached=cached)
+        request, decision = route_and_start(router, chat_text(system_prompt(1), "turn 1"))
+        held = len(router.indexes["r0"])
+        # 128 characters at 4 characters a token: 32 tokens a block; 100 tokens fill 3.
+        router.finished(decision, True, output_tokens=100)
+        assert len(router.indexes["r0"]) == held + grown
+        assert router.indexes["r0"].match(request.hashes) == len(request.hashes)
+    # An attempt that never saw its first token generated nothing and leaves nothing.
+    router = Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
+                    index_capacity_blocks=64, pin_running=True, output_cached=True)
+    request = router.request_from_text(chat_text(system_prompt(2), "turn 1"))
+    decision = router.route(request, [ReplicaView(name="r0")])
+    router.finished(decision, False, output_tokens=100)
+    assert len(router.indexes["r0"]) == len(request.hashes)
+
+
 def one_small_replica(pin_running: bool) -> Router:
     return Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
                   index_capacity_blocks=64, pin_running=pin_running)

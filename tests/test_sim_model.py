@@ -177,6 +177,30 @@ def test_full_prompt_hit_still_computes_the_last_token() -> None:
     assert _first(events, "b").cached_tokens == 7 * BT
 
 
+def test_an_engine_that_caches_outputs_keeps_them_before_older_prompts_and_after_its_own(
+) -> None:
+    # 40 blocks: an old prompt of 10, a request of 20 prompt blocks and 8 of output, then
+    # one that needs 9 (8 of prompt and its one output token's).
+    def after_one_request(cache_outputs: bool) -> EngineModel:
+        engine = EngineModel(PROFILES["llama-8b-h200"], 40 * BT, BT, cache_outputs=cache_outputs)
+        engine.submit("old", _hashes("old", 10), 10 * BT, 1, now=0.0)
+        _run(engine)
+        engine.submit("a", _hashes("a", 20), 20 * BT, 8 * BT, now=10.0)
+        _run(engine)
+        engine.submit("b", _hashes("b", 8), 8 * BT, 1, now=20.0)
+        _run(engine)
+        return engine
+
+    freed = after_one_request(False)
+    assert freed.cache.match(_hashes("old", 10), touch=False) == 10
+    kept = after_one_request(True)
+    # The output's 8 blocks stayed, 2 blocks were left free, so the newer prompt pushed out 7
+    # blocks of the oldest one, tail first; the request's own prompt is whole.
+    assert kept.cache.match(_hashes("old", 10), touch=False) == 3
+    assert kept.cache.match(_hashes("a", 20), touch=False) == 20
+    assert kept.cache.resident_blocks == 39  # its output's 8 among them
+
+
 def test_kv_capacity_holds_requests_back_until_blocks_free() -> None:
     engine = EngineModel(PROFILES["llama-8b-h200"], 40 * BT, BT)
     engine.submit("a", _hashes("a", 20), 20 * BT, 10 * BT, now=0.0)

@@ -902,3 +902,26 @@ def test_with_nothing_streamed_a_slow_replica_is_known_from_its_engines_metrics(
     shares, runs = shares_and_runs(1.0)
     assert shares[True] < 0.5 < shares[False]
     assert runs[True]["ttft_mean_s"] < runs[False]["ttft_mean_s"]
+
+
+def test_engines_that_cache_outputs_keep_them_and_the_index_can_count_them(
+        tenants: Workload) -> None:
+    from backends.sim.profiles import PROFILES
+    from loadtests.simulate import run_pool
+
+    def kept_outputs(engine_keeps: bool, index_counts: bool) -> tuple[int, int]:
+        """Output blocks resident in the engines, and in the routers' indexes, at the end."""
+        run = run_pool(tenants, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 2,
+                       settings=settings_for("prefix_affinity",
+                                             {"output_cached": index_counts}),
+                       engine_caches_outputs=engine_keeps)
+        in_engines = sum(h < 0 for e in run.engines for h in e.cache.hashes())
+        in_indexes = sum(h < 0 for index in run.router.indexes.values()
+                         for h in index._blocks)
+        return in_engines, in_indexes
+
+    assert kept_outputs(False, False) == (0, 0)
+    engines, indexes = kept_outputs(True, True)
+    assert engines > 0 and indexes > 0
+    engines, indexes = kept_outputs(True, False)
+    assert engines > 0 and indexes == 0

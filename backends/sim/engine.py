@@ -91,6 +91,7 @@ class EngineModel:
         time_scale: float = 1.0,
         token_events: bool = False,
         iteration_log: int = 0,
+        cache_outputs: bool = False,
     ) -> None:
         if kv_capacity_tokens < block_tokens:
             raise ValueError("kv_capacity_tokens must hold at least one block")
@@ -104,6 +105,9 @@ class EngineModel:
         self.max_batched_tokens = max_batched_tokens or profile.max_batched_tokens
         self.time_scale = time_scale
         self.token_events = token_events
+        self.cache_outputs = cache_outputs
+        """A finished request's full output blocks stay cached, as vLLM keeps every full block
+        it computed (generated ones are hashed too); off: its output's room is freed."""
         self.iterations: deque[IterationRecord] = deque(maxlen=max(iteration_log, 1))
         self._log_iterations = iteration_log > 0
         self._reqs: dict[str, _Req] = {}
@@ -344,6 +348,13 @@ class EngineModel:
     def _finish(self, req: _Req, t: float, events: list[Event]) -> None:
         req.state = "done"
         del self._reqs[req.req_id]
+        if self.cache_outputs:
+            # The blocks its output filled, the first shared with the prompt's partial last.
+            bt = self.block_tokens
+            kept = (req.prompt_tokens + req.max_tokens) // bt - req.prompt_tokens // bt
+            self.cache.unreserve(req.reserved)
+            req.reserved = 0
+            self.cache.keep_output(kept)
         self._release(req)
         c = self._c
         c.success += 1

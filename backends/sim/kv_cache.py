@@ -27,6 +27,7 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evicted_blocks = 0
+        self._next_output = -1  # keys of kept output blocks: no prompt's hash is negative
 
     @property
     def resident_blocks(self) -> int:
@@ -96,6 +97,17 @@ class PrefixCache:
             else:
                 del pins[h]
                 lru[h] = None
+
+    def keep_output(self, blocks: int) -> None:
+        """A finished request's `blocks` full output blocks stay cached, the most recent (so,
+        released before its prompt, evicted before it, as vLLM frees tail first); they come
+        from its reservation, just returned. No prompt ever matches them."""
+        lru, key = self._lru, self._next_output
+        for k in range(key, key - blocks, -1):
+            if self.free_blocks <= 0 and not self._evict(1):
+                break
+            lru[k] = None
+        self._next_output = key - blocks
 
     def reserve(self, blocks: int) -> bool:
         """Promise `blocks` to a request, evicting LRU blocks if needed; False if impossible."""
