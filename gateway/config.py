@@ -112,9 +112,9 @@ class RoutingSettings(BaseModel):
     output_cached: bool = Field(
         False, description="with pin_running, a finished request's output stays in its "
         "replica's prefix index, as blocks no prompt matches, evicted just before its prompt's: "
-        "engines keep the full blocks they generated cached (vLLM frees a request's blocks tail "
-        "first), and they push out older prefixes; false: an output's room is free again when "
-        "its request ends")
+        "vLLM keeps the full blocks a request generated cached and frees a request's blocks tail "
+        "first, so they push out older prefixes; false: an output's room is free again when "
+        "its request ends (the default: a truer estimate, measured to route no better)")
     key_blocks: int = Field(1, ge=1, description="leading blocks that form the rendezvous key")
     hashing: Literal["chars", "engine_tokens"] = Field(
         "chars", description="hash character blocks, or the engine's own tokens (vLLM tokenises)"

@@ -23,8 +23,8 @@ class PrefixIndex:
       it computes them, and without the loan they would push out blocks the engine still has;
     - `reserved` blocks of the capacity hold no prefix at all: the output of the requests
       running there, which the engine keeps KV for beside their prompts;
-    - a request's output stays cached once it ends (`unpin` with `output_blocks`): engines
-      keep every full block they computed, generated ones too, and free a request's blocks
+    - a request's output stays cached once it ends (`unpin` with `output_blocks`): vLLM
+      keeps every full block it computed, generated ones too, and frees a request's blocks
       tail first, so its output is evicted just before its prompt. No later prompt matches
       it (a client sends back the text, and the next turn's template differs), but it takes
       room that would otherwise hold older prefixes.
