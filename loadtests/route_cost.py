@@ -44,9 +44,10 @@ def prompts(router: Router, n: int, tenants: int, system_blocks: int,
 def run_once(router: Router, views: Sequence[ReplicaView], requests: Sequence[RoutingRequest],
              concurrency: int) -> float:
     """Seconds of routing work for `requests`: each is routed and dispatched, sees its first
-    token once `concurrency` later ones were routed, and ends `concurrency` after that."""
-    waiting: deque[Decision] = deque()
-    running: deque[Decision] = deque()
+    token once `concurrency` later ones were routed, and ends `concurrency` after that, having
+    generated the tokens it asked for."""
+    waiting: deque[tuple[Decision, int]] = deque()
+    running: deque[tuple[Decision, int]] = deque()
     now = 0.0
     perf = time.perf_counter
     start = perf()
@@ -54,18 +55,19 @@ def run_once(router: Router, views: Sequence[ReplicaView], requests: Sequence[Ro
         now += 0.01
         decision = router.route(request, views)
         router.dispatched(decision, now)
-        waiting.append(decision)
+        waiting.append((decision, int(request.output_tokens)))
         if len(waiting) > concurrency:
             d = waiting.popleft()
-            router.first_token(d, now, now - 0.5)
+            router.first_token(d[0], now, now - 0.5)
             running.append(d)
         if len(running) > concurrency:
-            router.finished(running.popleft(), True)
+            d, generated = running.popleft()
+            router.finished(d, True, generated)
     for d in waiting:
-        router.first_token(d, now, now - 0.5)
+        router.first_token(d[0], now, now - 0.5)
         running.append(d)
-    for d in running:
-        router.finished(d, True)
+    for d, generated in running:
+        router.finished(d, True, generated)
     return perf() - start
 
 
