@@ -196,13 +196,13 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
-    user: int = 0
     expected_match: float | None = None
     """The share of the prompt's blocks the gateway's index held on the replica it chose
     (its `x-gateway-prefix-match` header)."""
     sent_s: float = 0.0
-    """When it was sent, and when its first token came (perf_counter seconds)."""
+    """When it was sent (perf_counter seconds)."""
     first_token_s: float | None = None
+    """When its first content token came (perf_counter seconds; None: none came)."""
 
 
 async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: int) -> Result:
@@ -210,7 +210,7 @@ async def send_chat(s: aiohttp.ClientSession, url: str, tr: Turn, max_tokens: in
     body = {"model": MODEL, "messages": list(tr.messages), "max_tokens": max_tokens,
             "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
-    res = Result(tr.tenant, tr.turn, False, user=tr.user)
+    res = Result(tr.tenant, tr.turn, False)
     t0 = res.sent_s = time.perf_counter()
     try:
         async with s.post(url + "/v1/chat/completions", data=orjson.dumps(body),
@@ -370,9 +370,12 @@ def belief_gaps(results: Sequence[Result], block_tokens: int) -> dict[str, Any] 
         return None
     prompt = sum(r.prompt_tokens for r in rows)
 
-    def shortfall(r: Result) -> float:
+    def expected(r: Result) -> float:
         assert r.expected_match is not None
-        return r.expected_match * r.prompt_tokens - r.cached_tokens
+        return r.expected_match * r.prompt_tokens
+
+    def shortfall(r: Result) -> float:
+        return expected(r) - r.cached_tokens
 
     def behind_in_flight(r: Result) -> bool:
         return any(o is not r and o.replica == r.replica and o.tenant == r.tenant
@@ -383,7 +386,7 @@ def belief_gaps(results: Sequence[Result], block_tokens: int) -> dict[str, Any] 
     in_flight = [r for r in short if behind_in_flight(r)]
     return {
         "requests": len(rows),
-        "expected_cached_ratio": sum(shortfall(r) + r.cached_tokens for r in rows) / prompt,
+        "expected_cached_ratio": sum(expected(r) for r in rows) / prompt,
         "engine_cached_ratio": sum(r.cached_tokens for r in rows) / prompt,
         "short": len(short),
         "short_points": sum(shortfall(r) for r in short) / prompt,
