@@ -120,7 +120,8 @@ class Attempt:
         self._ended = True
         pool, name, watcher = self.pool, self.replica.name, self.watcher
         self.sent()  # if still held: nothing is left to interrupt
-        pool.router.finished(self.decision, self.saw_first, watcher.completion_tokens())
+        generated = watcher.completion_tokens()
+        pool.router.finished(self.decision, self.saw_first, generated)
         self.observer.inflight(pool.name, name, -1)
         if watcher.usage and self.request.prompt_chars:
             tokens = watcher.usage.get("prompt_tokens")
@@ -135,7 +136,7 @@ class Attempt:
         ttft = first - self.received_at if first is not None else None
         decode = (watcher.last_token_at or first) - first if first is not None else 0.0
         f = Finished(pool.name, name, self.traffic_class, label,
-                     perf_counter() - self.received_at, ttft, watcher.completion_tokens(), decode)
+                     perf_counter() - self.received_at, ttft, generated, decode)
         self.observer.finished(f)
         if self.trial is not None:
             self.trial.finished(f, watcher.usage, self.request.prompt_tokens)

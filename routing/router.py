@@ -67,9 +67,10 @@ class Router:
         self.load = LoadTracker(prefill_tokens_per_s, speed_decode_agrees, decode_step_wait,
                                 engine_speed)
         self.indexes: dict[str, PrefixIndex] = {}
-        self._room_block_tokens = 0.0
+        self._block_tokens = 0.0
         """Tokens per block of the last prefix recorded (a pool hashes all its requests
-        alike): the unit of the room an index lends to queued prefill (`pin_running`)."""
+        alike): the unit of the room an index lends to queued prefill, and of the outputs it
+        keeps (`pin_running`, `output_cached`)."""
         self.on_record: Callable[[str, Sequence[int], float, bool, int], None] | None = None
         """Told of every prefix this router records as sent (first choices and retries), with
         the uncached prompt tokens it costs there, whether a request holds it there until
@@ -169,7 +170,6 @@ class Router:
         """`request` goes as `decision` says: the decision carries its blocks (pinned while
         it runs, with `pin_running`), the replica's index records them, the policy is told."""
         decision.hashes = request.hashes
-        decision.block_tokens = request.block_tokens
         if self.pin_running and request.output_tokens > 0.0 and request.block_tokens > 0.0:
             decision.output_blocks = int(request.output_tokens * self.output_reserve
                                          / request.block_tokens)
@@ -190,7 +190,7 @@ class Router:
             if self.pin_running and block_tokens > 0.0:
                 # This request's uncached blocks, not dispatched yet, are queued there too. In
                 # the request's own blocks: characters or the engine's tokens, as it was hashed.
-                self._room_block_tokens = block_tokens
+                self._block_tokens = block_tokens
                 index.room = self._room(replica, uncached_tokens)
             # From the decision, not the first token: it also gives the room back if it is
             # abandoned while queued, and the other gateways reserve it from the same moment.
@@ -203,7 +203,7 @@ class Router:
         """The blocks `replica`'s index lends to prefill queued there: sent, by this gateway
         and by the others whose decisions it holds too, but not computed by the engine yet,
         so that they do not push out blocks the engine still holds (`pin_running`)."""
-        block_tokens = self._room_block_tokens
+        block_tokens = self._block_tokens
         if not block_tokens:
             return 0
         load = self.load
@@ -388,7 +388,7 @@ class Router:
                 index.unreserve(decision.output_blocks)
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
-                    index.unpin(decision.hashes, self._output_blocks(decision, output_tokens))
+                    index.unpin(decision.hashes, self._output_blocks(output_tokens))
             if self.on_release is not None:
                 self.on_release(decision.replica, decision.hashes[-1])
         if self._tell_finished:
@@ -396,13 +396,13 @@ class Router:
         if self._tell_load:
             self._load_update(decision.replica)
 
-    def _output_blocks(self, decision: Decision, output_tokens: int) -> int:
-        """The index blocks `output_tokens` generated under `decision` fill (`output_cached`):
-        round, not floor, since on the engine the output's first block is shared with the
-        prompt's partial last one, on average half of it."""
-        if not self.output_cached or output_tokens <= 0 or decision.block_tokens <= 0.0:
+    def _output_blocks(self, output_tokens: int) -> int:
+        """The index blocks `output_tokens` generated fill (`output_cached`): round, not floor,
+        since on the engine the output's first block is shared with the prompt's partial last
+        one, on average half of it."""
+        if not self.output_cached or output_tokens <= 0 or not self._block_tokens:
             return 0
-        return round(output_tokens / decision.block_tokens)
+        return round(output_tokens / self._block_tokens)
 
     def _load_update(self, replica: str) -> None:
         load = self.load

@@ -65,9 +65,6 @@ class Decision:
     request runs there (set by `Router.route` and `Router.reroute`)."""
     output_blocks: int = 0
     """Blocks of the replica's index reserved for its output while it runs (`pin_running`)."""
-    block_tokens: float = 0.0
-    """Tokens in one of its prefix blocks (set by `Router.commit`): what sizes its output's
-    blocks in the index when it ends."""
 
     @property
     def matched_fraction(self) -> float:

@@ -339,23 +339,25 @@ class EngineModel:
         c.alloc_new_blocks += need
         return True
 
-    def _release(self, req: _Req) -> None:
-        self.cache.release(req.hashes[: req.pinned])
+    def _release(self, req: _Req, output_blocks: int = 0) -> None:
+        """Give back what `req` holds; its `output_blocks` stay cached, evicted before its
+        prompt's blocks (vLLM frees a request's blocks tail first)."""
         self.cache.unreserve(req.reserved)
+        if output_blocks:
+            self.cache.keep_output(output_blocks)
+        self.cache.release(req.hashes[: req.pinned])
         req.pinned = req.reserved = 0
         self._kv_blocked = False
 
     def _finish(self, req: _Req, t: float, events: list[Event]) -> None:
         req.state = "done"
         del self._reqs[req.req_id]
+        kept = 0
         if self.cache_outputs:
             # The blocks its output filled, the first shared with the prompt's partial last.
             bt = self.block_tokens
             kept = (req.prompt_tokens + req.max_tokens) // bt - req.prompt_tokens // bt
-            self.cache.unreserve(req.reserved)
-            req.reserved = 0
-            self.cache.keep_output(kept)
-        self._release(req)
+        self._release(req, kept)
         c = self._c
         c.success += 1
         c.e2e.observe(t - req.arrival)

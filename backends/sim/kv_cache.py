@@ -100,8 +100,8 @@ class PrefixCache:
 
     def keep_output(self, blocks: int) -> None:
         """A finished request's `blocks` full output blocks stay cached, the most recent (so,
-        released before its prompt, evicted before it, as vLLM frees tail first); they come
-        from its reservation, just returned. No prompt ever matches them."""
+        kept before its prompt is released, evicted before it, as vLLM frees tail first);
+        they come from its reservation, just returned. No prompt ever matches them."""
         lru, key = self._lru, self._next_output
         for k in range(key, key - blocks, -1):
             if self.free_blocks <= 0 and not self._evict(1):
