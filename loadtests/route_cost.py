@@ -57,15 +57,15 @@ def run_once(router: Router, views: Sequence[ReplicaView], requests: Sequence[Ro
         router.dispatched(decision, now)
         waiting.append((decision, int(request.output_tokens)))
         if len(waiting) > concurrency:
-            d = waiting.popleft()
-            router.first_token(d[0], now, now - 0.5)
-            running.append(d)
+            d, generated = waiting.popleft()
+            router.first_token(d, now, now - 0.5)
+            running.append((d, generated))
         if len(running) > concurrency:
             d, generated = running.popleft()
             router.finished(d, True, generated)
-    for d in waiting:
-        router.first_token(d[0], now, now - 0.5)
-        running.append(d)
+    for d, generated in waiting:
+        router.first_token(d, now, now - 0.5)
+        running.append((d, generated))
     for d, generated in running:
         router.finished(d, True, generated)
     return perf() - start

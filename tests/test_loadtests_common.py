@@ -12,7 +12,6 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -33,7 +32,7 @@ from loadtests.metrics import (
 from loadtests.report import cell, markdown_table, median_range, text_table
 from loadtests.sse import data_events_sync
 from loadtests.stats import bucket_bound, max_over_mean, median, nearest_rank, percentile
-from tests.conftest import poll
+from tests.conftest import ROOT, poll
 
 
 def test_parse_sums_adds_series_and_ignores_comments() -> None:
@@ -305,7 +304,6 @@ def test_sigterm_interrupts_a_benchmarks_event_loop_wherever_it_lands() -> None:
     # A benchmark stops its engines in `finally` blocks: SIGTERM must unwind run_async. Raised
     # from a signal handler inside uvloop's transport callback, KeyboardInterrupt was reported
     # as a fatal transport error and the run went on (vllm_bench kept its engines running).
-    repo = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_CALLBACK], capture_output=True,
-                         text=True, timeout=60, cwd=str(repo))
+                         text=True, timeout=60, cwd=str(ROOT))
     assert out.stdout.strip() == "interrupted", out.stderr[-2000:]

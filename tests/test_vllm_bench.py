@@ -45,7 +45,6 @@ def test_kv_gib_covers_the_block_cap() -> None:
     assert gib * vb.launch.GiB >= 77 * 128 * 16384
 
 
-
 def test_the_gateways_expected_hits_are_read_from_its_own_metrics_page() -> None:
     from prometheus_client import generate_latest
 
