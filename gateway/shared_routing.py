@@ -35,9 +35,11 @@ starts is read within about two seconds, and one silent for `_PEER_TTL_S` is dro
 
 With `pin_running`, each insert a gateway's request holds while it runs is marked so (a
 fifth item, 1, and a sixth, the blocks its output holds, when it holds any), and the end of
-that request is written as a release (`e`: its replica and the last hash of its prefix). The
+that request is written as a release (`e`: its replica and the last hash of its prefix; with
+`output_cached`, `o`: the blocks of its output the engine keeps). The
 others pin the prefix, and reserve its output's room, in their index from the insert to the
-release, as the engine holds them and as the gateway that sent it does: without that,
+release, and keep its output after it, as the engine holds them and as the gateway that sent
+it does: without that,
 each gateway's index let go of what the others' running requests held, and three gateways
 sent fewer warm requests where one would. A gateway releases every pin of another that
 leaves the registry, and all of them when Redis goes away or entries were lost (their
@@ -87,8 +89,9 @@ Insert = tuple[str, str, float, Sequence[int], float, bool, int]
 """A prefix routed here: (pool, replica, decided at (time.time()), block hashes, uncached
 prompt tokens it cost the replica, held: a request holds it there until its `Release`, the
 blocks its output holds there meanwhile)."""
-Release = tuple[str, str, int]
-"""A request whose prefix was routed `held` ended: (pool, replica, its last block hash)."""
+Release = tuple[str, str, int, int]
+"""A request whose prefix was routed `held` ended: (pool, replica, its last block hash, the
+blocks of its output the engine keeps cached)."""
 Shared = Insert | Release
 """What a gateway queues to share, in the order it happened."""
 
@@ -166,16 +169,16 @@ def recorder(queue: deque[Shared], cap: int, pool: str, dropped: Callable[[Share
 
 
 def releaser(queue: deque[Shared], cap: int, pool: str,
-             dropped: Callable[[Shared], None]) -> Callable[[str, int], None]:
+             dropped: Callable[[Shared], None]) -> Callable[[str, int, int], None]:
     """`Router.on_release` for a gateway's (or worker's) queue of `pool`: the release is
     queued after what was decided before it, the oldest item dropped past `cap`. Not woken
     for: the next write takes it (the load changed as the request ended, and is looked at
     within `load_interval_s`)."""
 
-    def released(replica: str, last: int) -> None:
+    def released(replica: str, last: int, cached_blocks: int) -> None:
         if len(queue) >= cap:
             dropped(queue.popleft())
-        queue.append((pool, replica, last))
+        queue.append((pool, replica, last, cached_blocks))
 
     return released
 
@@ -183,7 +186,7 @@ def releaser(queue: deque[Shared], cap: int, pool: str,
 def note_dropped(item: Shared, lost_releases: set[str], observer: Observer) -> None:
     """An item pushed out of a full queue: an insert is counted dropped; a release marks its
     pool, whose next write tells the others to release every pin of the writer's (`x`)."""
-    if len(item) == 3:
+    if len(item) == 4:
         lost_releases.add(item[0])
     else:
         observer.shared_inserts(item[0], "dropped", 1)
@@ -223,14 +226,22 @@ def by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[Any, ...]]]:
     return out
 
 
-def releases_by_pool(batch: Sequence[Shared]) -> dict[str, list[tuple[str, int]]]:
-    """Each pool's releases as written: (replica, last block hash) of each request ended
-    that held its prefix, in order."""
-    out: dict[str, list[tuple[str, int]]] = {}
+def releases_by_pool(batch: Sequence[Shared]) -> dict[str, tuple[list[tuple[str, int]],
+                                                                  list[int] | None]]:
+    """Each pool's releases as written, in order: (replica, last block hash) of each request
+    ended that held its prefix (`e`), and the blocks of each one's output its engine keeps
+    cached (`o`, the same length; None when there are none, as without `output_cached`).
+    Two lists rather than a third item in each release: a gateway of an earlier version
+    reads `e` as pairs, and ignores `o`."""
+    ended: dict[str, list[tuple[str, int]]] = {}
+    cached: dict[str, list[int]] = {}
     for item in batch:
-        if len(item) == 3:
-            out.setdefault(item[0], []).append((item[1], item[2]))  # type: ignore[misc]
-    return out
+        if len(item) == 4:
+            pool, replica, last, blocks = item  # type: ignore[misc]
+            ended.setdefault(pool, []).append((replica, last))
+            cached.setdefault(pool, []).append(blocks)
+    return {pool: (rows, cached[pool] if any(cached[pool]) else None)
+            for pool, rows in ended.items()}
 
 
 def apply_inserts(router: Router, observer: Observer, pool: str, items: Sequence[Any],
@@ -503,7 +514,10 @@ class SharedRouting:
             if name in encoded:
                 fields += ["d", encoded[name]]
             if name in releases:
-                fields += ["e", orjson.dumps(releases[name])]
+                ended, cached = releases[name]
+                fields += ["e", orjson.dumps(ended)]
+                if cached is not None:
+                    fields += ["o", orjson.dumps(cached)]
             if name in loads:
                 fields += ["l", b'{"t":%r,"r":%s}' % (now, loads[name])]
             if name in rates:
@@ -715,7 +729,9 @@ class SharedRouting:
                 apply_inserts(router, self.observer, pool_name, orjson.loads(fields[b"d"]),
                               None if again else self.started_at, None if again else source)
             if b"e" in fields:
-                router.apply_remote_releases(source, orjson.loads(fields[b"e"]))
+                cached = fields.get(b"o")
+                router.apply_remote_releases(source, orjson.loads(fields[b"e"]),
+                                             orjson.loads(cached) if cached else ())
         if rates_changed:
             router.apply_remote_rates(sum_rates(self._rates[pool_name].values()))
         return pool_name if load_changed else None

@@ -21,8 +21,9 @@ has requests in flight), each worker:
   `Router.apply_remote_rates`).
 
 With `pin_running`, the lines carry the ends of the requests that held their prefixes too
-(`e`, as the shared routing state's releases) and a worker pins the others' running
-requests' prefixes, and reserves their outputs' room, until they end, or until their
+(`e`, and `o` with `output_cached`, as the shared routing state's releases) and a worker
+pins the others' running requests' prefixes, and reserves their outputs' room, until they
+end (keeping their outputs after them, with `output_cached`), or until their
 worker's file leaves the listing (it stopped or died: its requests ended with it). A dead
 worker's prefixes that its replacement applies are not pinned.
 
@@ -156,7 +157,7 @@ class WorkerPrefixes:
         changed: one line, none when there is nothing new."""
         line: dict[str, Any] = {}
         written: dict[str, int] = {}
-        releases: dict[str, list[tuple[str, int]]] = {}
+        releases: dict[str, Any] = {}
         lost = set(self._lost_releases)
         if lost:
             line["x"] = sorted(lost)
@@ -167,7 +168,11 @@ class WorkerPrefixes:
             if pools:
                 line["d"] = pools
             if releases:
-                line["e"] = releases
+                line["e"] = {name: ended for name, (ended, _) in releases.items()}
+                cached = {name: blocks for name, (_, blocks) in releases.items()
+                          if blocks is not None}
+                if cached:
+                    line["o"] = cached
             written = {name: len(items) for name, items in pools.items()}
         rates = self._rates_due()
         if rates:
@@ -343,10 +348,11 @@ class WorkerPrefixes:
                 apply_inserts(pool.router, self.observer, name, items, self.started_at, source)
         if source is None:
             return
+        cached = entry.get("o", {})
         for name, releases in entry.get("e", {}).items():
             pool = self.pools.get(name)
             if pool is not None:
-                pool.router.apply_remote_releases(source, releases)
+                pool.router.apply_remote_releases(source, releases, cached.get(name, ()))
 
     # Stopping -----------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class _Message:
     load: bytes | None
     rates: bytes | None = None
     releases: bytes | None = None
+    cached: bytes | None = None
 
 
 class _Writer:
@@ -68,8 +69,8 @@ class _Writer:
 
     def __init__(self, start: float) -> None:
         self.queue: list[tuple[Any, ...]] = []
-        """(replica, hashes, uncached, held, output blocks) inserts and (replica, last hash)
-        releases."""
+        """(replica, hashes, uncached, held, output blocks) inserts and (replica, last hash,
+        cached output blocks) releases."""
         self.sleep_end = -math.inf  # when the sleep after its last write ends
         self.next_load = start  # when it next looks at its load
         self.due = start  # when it next runs one iteration (looks, and writes if it must)
@@ -127,8 +128,9 @@ class Gateways:
     def _releaser(self, g: int) -> Any:
         writer = self._writers[g]
 
-        def released(replica: str, last: int) -> None:
-            writer.queue.append((replica, last))  # written with the next write, as there
+        def released(replica: str, last: int, cached_blocks: int) -> None:
+            # Written with the next write, as there.
+            writer.queue.append((replica, last, cached_blocks))
 
         return released
 
@@ -182,13 +184,15 @@ class Gateways:
                     rates = w.last_rates = learned
         if batch or load is not None or rates is not None:
             # As shared_routing writes them: inserts by `insert_row`, releases as
-            # releases_by_pool does, [replica, last hash].
+            # releases_by_pool does, [replica, last hash], and their outputs' cached blocks.
             items = [insert_row(rep, t, h, u, held, o)
                      for rep, h, u, held, o in (i for i in batch if len(i) == 5)]
-            ended = [i for i in batch if len(i) == 2]
+            ended = [i[:2] for i in batch if len(i) == 3]
+            cached = [i[2] for i in batch if len(i) == 3]
             self._messages.append(_Message(
                 t + s.delay_s, g, orjson.dumps(items) if items else None, load, rates,
-                orjson.dumps(ended) if ended else None))
+                orjson.dumps(ended) if ended else None,
+                orjson.dumps(cached) if any(cached) else None))
         w.sleep_end = t + s.flush_interval_s
         timer = max(w.sleep_end, w.next_load) if s.load_interval_s > 0.0 else math.inf
         w.due = timer if not w.queue else w.sleep_end
@@ -240,7 +244,8 @@ class Gateways:
                 router.apply_remote_inserts(map(remote_insert, orjson.loads(m.inserts)),
                                             str(m.gateway))
             if m.releases is not None:
-                router.apply_remote_releases(str(m.gateway), orjson.loads(m.releases))
+                router.apply_remote_releases(str(m.gateway), orjson.loads(m.releases),
+                                             orjson.loads(m.cached) if m.cached else ())
         r.cursor = i
         if load_changed:
             router.apply_remote_load(sum_loads(r.loads.values()))

@@ -77,11 +77,12 @@ class Router:
         `on_release` says it ended (its decision's, with `pin_running`) and the blocks its
         output holds there meanwhile, after its own index has it: how the gateway shares its
         decisions with other gateways."""
-        self.on_release: Callable[[str, int], None] | None = None
+        self.on_release: Callable[[str, int, int], None] | None = None
         """Told, with `pin_running`, when a request whose prefix `on_record` reported held
-        ends: its replica and the last of its block hashes (a chained hash names the whole
-        prefix). Gateways sharing routing state pin what the others' requests hold while
-        they run, as each pins its own."""
+        ends: its replica, the last of its block hashes (a chained hash names the whole
+        prefix) and the blocks of its output the engine keeps cached (`output_cached`; else
+        0). Gateways sharing routing state pin what the others' requests hold while they
+        run, and keep what they leave cached, as each does for its own."""
         self._remote_pins: dict[str, dict[tuple[str, int], list[Any]]] = {}
         """Other gateway (or worker) -> (replica, last hash) -> [its hashes, requests holding
         them, blocks their outputs hold]: the pins of their running requests, released when
@@ -267,22 +268,28 @@ class Router:
         index.pin(hashes)
 
     def _unpin_remote(self, replica: str, hashes: Sequence[int], count: int,
-                      output_blocks: int) -> None:
+                      output_blocks: int, cached_blocks: int = 0) -> None:
         index = self.indexes.get(replica)
         if index is not None:  # else removed since: its index went with it
             index.unreserve(output_blocks)
             for _ in range(count):
-                index.unpin(hashes)
+                index.unpin(hashes, cached_blocks)
+                cached_blocks = 0
 
-    def apply_remote_releases(self, source: str, releases: Iterable[tuple[str, int]]) -> int:
+    def apply_remote_releases(self, source: str, releases: Iterable[Sequence[Any]],
+                              cached: Sequence[int] = ()) -> int:
         """Requests of `source` ended: (replica, last block hash) of each prefix it had sent
-        `held`. Their pins are released here (with `pin_running`); a release of nothing
-        pinned (the pin was never applied) is ignored. Returns the pins released."""
+        `held`, and, in the same order, the blocks of each one's output its engine keeps
+        cached (`cached`, as `on_release` tells them; missing: none). Their pins are
+        released here (with `pin_running`), and with `output_cached` their outputs stay in
+        the index as this router's own would; a release of nothing pinned (the pin was
+        never applied) is ignored. Returns the pins released."""
         pins = self._remote_pins.get(source)
         if not pins:
             return 0
         released = 0
-        for replica, last in releases:
+        keep = len(cached) if self.output_cached else 0
+        for i, (replica, last) in enumerate(releases):
             held = pins.get((replica, last))
             if held is None:
                 continue
@@ -293,7 +300,8 @@ class Router:
             held[2] -= output_blocks
             if not held[1]:
                 del pins[(replica, last)]
-            self._unpin_remote(replica, held[0], 1, output_blocks)
+            self._unpin_remote(replica, held[0], 1, output_blocks,
+                               int(cached[i]) if i < keep else 0)
             released += 1
         return released
 
@@ -383,14 +391,15 @@ class Router:
         self.load.finished(decision.replica, decision.uncached_tokens, saw_first_token)
         if self.pin_running and decision.hashes:
             index = self.indexes.get(decision.replica)
+            cached = self._output_blocks(output_tokens) if saw_first_token else 0
             if index is not None:
                 # Its prefill, computed or abandoned, is no longer queued there.
                 index.unreserve(decision.output_blocks)
                 index.lend(self._room(decision.replica))
                 if saw_first_token:
-                    index.unpin(decision.hashes, self._output_blocks(output_tokens))
+                    index.unpin(decision.hashes, cached)
             if self.on_release is not None:
-                self.on_release(decision.replica, decision.hashes[-1])
+                self.on_release(decision.replica, decision.hashes[-1], cached)
         if self._tell_finished:
             self.policy.on_finished(decision, saw_first_token)
         if self._tell_load:

@@ -153,9 +153,10 @@ def test_a_router_with_output_cached_leaves_the_tokens_a_request_generated_in_it
     assert len(router.indexes["r0"]) == len(request.hashes)
 
 
-def one_small_replica(pin_running: bool) -> Router:
+def one_small_replica(pin_running: bool, output_cached: bool = False) -> Router:
     return Router(["r0"], build_policy("prefix_affinity", {}), block_chars=128,
-                  index_capacity_blocks=64, pin_running=pin_running)
+                  index_capacity_blocks=64, pin_running=pin_running,
+                  output_cached=output_cached)
 
 
 def route_and_start(router: Router, text: str) -> tuple[RoutingRequest, Decision]:
@@ -191,14 +192,46 @@ def test_a_running_requests_prefix_outlives_the_index_capacity_until_it_finishes
             assert held == 0
 
 
-def shared_pair(pin: bool) -> tuple[Router, Router]:
+def shared_pair(pin: bool, output_cached: bool = False) -> tuple[Router, Router]:
     """Two gateways' routers of one small replica, `a`'s inserts and releases applied to `b`
     at once (as from gateway "a")."""
-    a, b = one_small_replica(pin), one_small_replica(pin)
+    a, b = one_small_replica(pin, output_cached), one_small_replica(pin, output_cached)
     a.on_record = lambda replica, hashes, cost, held, output: b.apply_remote_inserts(
         [(replica, hashes, cost, held, output)], "a")
-    a.on_release = lambda replica, last: b.apply_remote_releases("a", [(replica, last)])
+    a.on_release = lambda replica, last, cached: b.apply_remote_releases(
+        "a", [(replica, last)], [cached])
     return a, b
+
+
+def test_another_gateways_finished_request_leaves_its_output_in_this_index_too() -> None:
+    """With `output_cached`, the engine keeps what a request generated whichever gateway
+    sent it: the other gateways' indexes keep it too, after older prefixes and before the
+    request's prompt, as the index of the gateway that sent it does."""
+    a, b = shared_pair(True, output_cached=True)
+    older, older_decision = route_and_start(a, chat_text(system_prompt(1), "q"))  # 15 blocks
+    a.finished(older_decision, True)
+    request, decision = route_and_start(a, chat_text(system_prompt(2), "q"))
+    held = len(b.indexes["r0"])
+    assert held == len(a.indexes["r0"]) == 30
+    # 32 tokens a block: 1,000 generated tokens fill 31 blocks; with the 30 of the two
+    # prompts that is 61 of 64, and the older prefix's tail goes as the next one runs.
+    a.finished(decision, True, output_tokens=1000)
+    assert len(b.indexes["r0"]) == len(a.indexes["r0"]) == held + 31
+    route_and_start(a, chat_text(system_prompt(3), "q"))
+    for router in (a, b):
+        assert router.matched_blocks("r0", request.hashes) == len(request.hashes)
+        assert router.matched_blocks("r0", older.hashes) == 15 - 12
+    # Without the setting, and from a gateway that does not send them, none are kept.
+    a, b = shared_pair(True, output_cached=False)
+    _, decision = route_and_start(a, chat_text(system_prompt(2), "q"))
+    a.finished(decision, True, output_tokens=1000)
+    assert len(b.indexes["r0"]) == len(a.indexes["r0"]) == 15
+    b = one_small_replica(True, output_cached=True)
+    a.on_record = lambda replica, hashes, cost, held, output: b.apply_remote_inserts(
+        [(replica, hashes, cost, held, output)], "a")
+    _, decision = route_and_start(a, chat_text(system_prompt(3), "q"))
+    assert b.apply_remote_releases("a", [("r0", decision.hashes[-1])]) == 1
+    assert len(b.indexes["r0"]) == 15
 
 
 def start_with_output(router: Router, text: str, output_blocks: int) -> Decision:

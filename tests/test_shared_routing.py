@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
@@ -585,6 +587,39 @@ async def test_a_request_running_through_one_gateway_is_pinned_in_the_others_ind
         # A leaves the registry: its request's end will never be read here.
         sb._set_peers(frozenset())
         assert router_b.remote_pins() == 0 and router_b.indexes["rt-1"].pinned_blocks == 0
+
+
+async def test_a_request_ended_on_one_gateway_leaves_its_output_in_the_others_index(
+        redis_server: RedisServer) -> None:
+    """With `output_cached`, the engine keeps the blocks a request generated whichever
+    gateway sent it: its release carries them (`o`, beside the `e` pairs an earlier version
+    reads), and the other gateway's index keeps them as the sender's does."""
+    from routing.prompt import render_chat
+
+    async with two_states(redis_server, {"pin_running": True, "output_cached": True}) as (
+            a, b):
+        sa, sb = a.shared, b.shared
+        router_a = a.pool_by_name["realtime"].router
+        router_b = b.pool_by_name["realtime"].router
+        request = router_a.request_from_text(render_chat(chat(tenant_prompt(45))))
+        decision = router_a.route(request, [ReplicaView(name="rt-1")])
+        router_a.dispatched(decision, time.time())
+        router_a.first_token(decision, time.time(), time.time())
+        await sa.tick(True)
+        await sb.tick(True)
+        held = len(router_b.indexes["rt-1"])
+        assert held == len(router_a.indexes["rt-1"]) == len(request.hashes)
+        generated = 40 * request.block_tokens
+        router_a.finished(decision, True, output_tokens=int(generated))
+        await sa.tick(True)
+        await sb.tick(True)
+        assert router_b.remote_pins() == 0
+        assert len(router_b.indexes["rt-1"]) == len(router_a.indexes["rt-1"]) == held + 40
+        entries = await a.redis.xrange(sa.streams["realtime"])
+        ended = [fields for _, fields in entries if b"e" in fields]
+        assert len(ended) == 1
+        assert orjson.loads(ended[0][b"e"]) == [["rt-1", request.hashes[-1]]]
+        assert orjson.loads(ended[0][b"o"]) == [40]
 
 
 async def test_a_release_dropped_from_a_full_queue_lets_the_others_release_every_pin(

@@ -16,15 +16,16 @@ from gateway.workerprefixes import WorkerPrefixes, prefixes_path, retired_path
 from routing.steps import POOL_RATE_KEY
 
 
-def state(pin_running: bool = False) -> GatewayState:
+def state(pin_running: bool = False, output_cached: bool = False) -> GatewayState:
     config = one_pool_config(["http://127.0.0.1:9", "http://127.0.0.1:10"], 8080)
-    config.setdefault("routing", {})["pin_running"] = pin_running
+    config.setdefault("routing", {}).update(pin_running=pin_running,
+                                            output_cached=output_cached)
     return GatewayState(GatewayConfig.model_validate(config))
 
 
-def worker(tmp_path: Path, pid: int, pin_running: bool = False,
+def worker(tmp_path: Path, pid: int, pin_running: bool = False, output_cached: bool = False,
            **kw) -> tuple[GatewayState, WorkerPrefixes]:
-    s = state(pin_running)
+    s = state(pin_running, output_cached)
     return s, WorkerPrefixes(tmp_path, s.pools, s.observer, pid=pid, **kw)
 
 
@@ -252,3 +253,28 @@ def test_a_workers_running_requests_stay_pinned_in_the_others_until_they_end_or_
     router_r = replacement.pools[0].router
     assert router_r.matched_blocks("replica-1", second.hashes) == len(second.hashes)
     assert router_r.remote_pins() == 0 and router_r.indexes["replica-1"].reserved == 0
+
+
+def test_a_request_ended_on_one_worker_leaves_its_output_in_the_others_index(
+        tmp_path: Path) -> None:
+    """With `output_cached`, a worker's line carries the blocks each ended request's output
+    left cached on its engine, and the other workers' indexes keep them as its own does."""
+    from routing.types import ReplicaView
+
+    for cached in (True, False):
+        directory = tmp_path / str(cached)
+        directory.mkdir()
+        a, wa = worker(directory, 1, pin_running=True, output_cached=cached)
+        b, wb = worker(directory, 2, pin_running=True, output_cached=cached)
+        router_a, router_b = a.pools[0].router, b.pools[0].router
+        request = router_a.request_from_text("context " * 300)
+        decision = router_a.route(request, [ReplicaView(name="replica-1")])
+        router_a.dispatched(decision, 0.0)
+        router_a.first_token(decision, 1.0, 0.0)
+        router_a.finished(decision, True, output_tokens=int(12 * request.block_tokens))
+        wa.write()
+        wb.read(peers(directory, wb))
+        grown = 12 if cached else 0
+        assert router_b.remote_pins() == 0
+        assert len(router_b.indexes["replica-1"]) == len(request.hashes) + grown
+        assert len(router_a.indexes["replica-1"]) == len(request.hashes) + grown
