@@ -925,3 +925,25 @@ def test_engines_that_cache_outputs_keep_them_and_the_index_can_count_them(
     assert engines > 0 and indexes > 0
     engines, indexes = kept_outputs(True, False)
     assert engines > 0 and indexes == 0
+
+
+def test_simulated_gateways_sharing_routing_state_keep_each_others_outputs(
+        tenants: Workload) -> None:
+    """Two simulated gateways: with shared state each one's index keeps the outputs of the
+    other's requests as well as its own (the releases carry them), so each holds about what
+    both generated; without sharing, each only its own half."""
+    from backends.sim.profiles import PROFILES
+    from loadtests.sim_sharing import Sharing
+    from loadtests.simulate import run_pool
+
+    def kept_outputs(shared: bool) -> list[int]:
+        run = run_pool(tenants, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 2,
+                       settings=settings_for("prefix_affinity", {"output_cached": True}),
+                       engine_caches_outputs=True, gateways=2,
+                       sharing=Sharing(enabled=shared))
+        return [sum(h < 0 for index in router.indexes.values() for h in index._blocks)
+                for router in run.routers]
+
+    own_only = kept_outputs(False)
+    assert min(own_only) > 0
+    assert min(kept_outputs(True)) > 1.5 * max(own_only)
