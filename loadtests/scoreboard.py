@@ -184,6 +184,9 @@ def _hetero_scenarios() -> list[Scenario]:
 
 SCENARIOS = _scenarios() + _hetero_scenarios()
 _workloads: dict[Scenario, Workload] = {}
+_engine: dict[str, bool] = {}
+"""How the simulated engines allocate KV and keep outputs (`--vllm-engines`), set in the
+parent before the workers fork."""
 
 # The ablation: prefix_affinity at the gateway's defaults, then with one choice undone at a
 # time, on the scenarios where each choice mattered (docs/routing.md, "Defaults and why").
@@ -225,7 +228,7 @@ def _run(job: tuple[Scenario, str] | tuple[Scenario, str, tuple[tuple[str, Any],
                                            params=dict(sc.params))
     t0 = time.perf_counter()
     report = simulate(w, policy, replicas=sc.replicas, settings=settings,
-                      fleet=sc.profiles())
+                      fleet=sc.profiles(), **_engine)
     return sc, policy, report, time.perf_counter() - t0
 
 
@@ -290,7 +293,7 @@ def ablation(jobs: int) -> int:
     by_key = {f"{sc.key}/{sc.replicas}/{sc.load}": sc for sc in SCENARIOS}
     scs = [by_key[k] for k in ABLATION_SCENARIOS]
     work = [(sc, "prefix_affinity", params) for _, params in ABLATION for sc in scs]
-    with Pool(max(1, jobs)) as pool:
+    with Pool(max(1, jobs), initializer=_engine.update, initargs=(dict(_engine),)) as pool:
         out = pool.map(_run, work)
     means = {(id(job[2]), job[0]): rep["ttft_mean_s"] for job, (_, _, rep, _) in
              zip(work, out, strict=True)}
@@ -357,7 +360,7 @@ def _run_labelled(work: Sequence[Any], labels: Sequence[str],
                   jobs: int) -> dict[tuple[Scenario, str], dict[str, Any]]:
     """Each `_run` job's report by (scenario, label), with its progress on stderr."""
     res: dict[tuple[Scenario, str], dict[str, Any]] = {}
-    with Pool(max(1, jobs)) as pool:
+    with Pool(max(1, jobs), initializer=_engine.update, initargs=(dict(_engine),)) as pool:
         for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
             res[(sc, label)] = report
             print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
@@ -453,7 +456,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], type=_variant,
                     metavar="KEY=VALUE[,KEY=VALUE...]",
                     help="with --sweep: one set of settings (repeatable; 'defaults' for none)")
+    ap.add_argument("--vllm-engines", action="store_true",
+                    help="simulated engines that allocate KV as a request's tokens need it, "
+                         "preempt, and keep outputs cached, as vLLM does (simulate's "
+                         "--engine-lazy-kv --engine-caches-outputs)")
     args = ap.parse_args(argv)
+    _engine.clear()
+    if args.vllm_engines:
+        _engine.update(engine_lazy_kv=True, engine_caches_outputs=True)
     if args.after and not args.compare:
         ap.error("--after goes with --compare")
     if args.sweep != bool(args.variant):
@@ -468,14 +478,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sweep:
         scope = "".join(f"{flag} {value} " for flag, value in (
             ("--only", args.only), ("--replicas", args.replicas), ("--set", args.which))
-            if value)
+            if value) + ("--vllm-engines " if args.vllm_engines else "")
         return sweep(chosen, args.variant, args.jobs, scope)
     if args.compare:
         return compare(chosen, dict(args.compare), args.jobs, dict(args.after))
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
     results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
     t0 = time.perf_counter()
-    with Pool(max(1, args.jobs)) as pool:
+    with Pool(max(1, args.jobs), initializer=_engine.update,
+              initargs=(dict(_engine),)) as pool:
         for sc, policy, report, wall in pool.imap(_run, jobs):
             results[sc][policy] = report
             print(f"# {sc.key} {sc.replicas} {sc.load} {policy}: "

@@ -298,6 +298,7 @@ def run_pool(
     first_tokens: str = "count",
     passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
     engine_caches_outputs: bool = False,
+    engine_lazy_kv: bool = False,
 ) -> PoolRun:
     """Route the workload's requests (or those listed in `only`, in time order) over a pool of
     simulated replicas, one per profile in `profiles`, as the gateway does; per request, what
@@ -335,7 +336,7 @@ def run_pool(
     replicas = len(profs)
     names = [f"r{i}" for i in range(replicas)]
     engines = {n: EngineModel(p, kv_capacity_tokens, engine_block_tokens,
-                              cache_outputs=engine_caches_outputs)
+                              cache_outputs=engine_caches_outputs, lazy_kv=engine_lazy_kv)
                for n, p in zip(names, profs, strict=True)}
     engine_list = [engines[n] for n in names]
     # What Pool.apply_engine_capacity does once the engine reports its KV capacity.
@@ -352,8 +353,10 @@ def run_pool(
                         speed_decode_agrees=settings.speed_decode_agrees,
                         pin_running=settings.pin_running,
                         # The simulated engine reserves a request's whole output when it
-                        # admits it, as TensorRT-LLM's default scheduler does.
-                        output_reserve=settings.output_reserve_for("trtllm"),
+                        # admits it, as TensorRT-LLM's default scheduler does; with lazy KV
+                        # it takes blocks as it decodes, as vLLM does.
+                        output_reserve=settings.output_reserve_for(
+                            "vllm" if engine_lazy_kv else "trtllm"),
                         output_cached=settings.output_cached,
                         decode_step_wait=settings.decode_step_wait,
                         engine_speed=settings.engine_speed)
@@ -585,6 +588,7 @@ def simulate(
     first_tokens: str = "count",
     passed_through_interval_s: float | None = DEFAULT_PASSED_THROUGH_INTERVAL_S,
     engine_caches_outputs: bool = False,
+    engine_lazy_kv: bool = False,
 ) -> dict[str, Any]:
     """Run one policy over the workload; returns the replay's report keys (with `timeline`,
     also "timeline": [arrival s, TTFT s] of every answered request, in arrival order), with
@@ -608,7 +612,7 @@ def simulate(
                    gateways=gateways, sharing=sharing, stream_share=stream_share,
                    first_tokens=first_tokens,
                    passed_through_interval_s=passed_through_interval_s,
-                   engine_caches_outputs=engine_caches_outputs)
+                   engine_caches_outputs=engine_caches_outputs, engine_lazy_kv=engine_lazy_kv)
     reqs = workload.requests
     n = len(reqs)
     replica_of, first_at, finish_at = run.replica_of, run.first_at, run.finish_at
@@ -654,6 +658,8 @@ def simulate(
         "gateways": len(run.routers),
         **agreement_figures(reqs, served, run.reasons),
     }
+    if engine_lazy_kv:
+        report["engine_preemptions"] = sum(e.preemptions for e in run.engines)
     if run.shadow is not None:
         report.update(shadow_agreement(reqs, served, run.shadow.picks, run.shadow.matched,
                                        run.shadow.held))
@@ -763,6 +769,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the simulated engines keep a finished request's full output blocks "
                          "cached, as vLLM does (they push out older prefixes); default: "
                          "freed when it ends")
+    ap.add_argument("--engine-lazy-kv", action="store_true",
+                    help="the simulated engines take KV blocks as a request's tokens need "
+                         "them and preempt the newest running request when none is left, as "
+                         "vLLM does (the gateway then counts half of each max_tokens, as for "
+                         "vLLM); default: a request's whole output reserved at admission, as "
+                         "TensorRT-LLM's default scheduler does, never preempting")
     add_workload_param(ap)
     add_routing_settings(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -796,7 +808,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           gateways=args.gateways, sharing=sharing,
                           stream_share=args.stream_share, first_tokens=args.first_tokens,
                           passed_through_interval_s=args.passed_through_interval_s or None,
-                          engine_caches_outputs=args.engine_caches_outputs)
+                          engine_caches_outputs=args.engine_caches_outputs,
+                          engine_lazy_kv=args.engine_lazy_kv)
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         reports.append(report)
     print(f"# {workload.name}: {len(workload.requests)} requests, {len(fleet)} replicas "

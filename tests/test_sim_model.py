@@ -288,3 +288,63 @@ def test_many_requests_conserve_tokens_and_blocks() -> None:
     assert 0 < s.prefix_cache_hit_tokens < s.prefix_cache_query_tokens
     assert engine.cache.evicted_blocks > 0
     assert s.resident_blocks <= s.capacity_blocks
+
+
+def test_lazy_kv_admits_on_the_prompt_and_preempts_the_newest_when_blocks_run_out() -> None:
+    """As vLLM: admission takes the prompt's blocks only, so both requests run at once where
+    reserving their outputs admitted one (above); when decoding fills the cache the newest
+    is preempted, computes its prompt and what it had generated again, and still finishes
+    with every token it was granted, its first token reported once."""
+    engine = EngineModel(PROFILES["llama-8b-h200"], 40 * BT, BT, lazy_kv=True,
+                         token_events=True)
+    engine.submit("a", _hashes("a", 18), 18 * BT, 10 * BT, now=0.0)
+    engine.submit("b", _hashes("b", 18), 18 * BT, 10 * BT, now=0.0)
+    t = engine.next_event_time()
+    assert t is not None
+    events = engine.advance(t)  # the step in flight ends; the next admits "b" too
+    assert (engine.num_running, engine.num_waiting) == (2, 0)
+    # The prompts' 36 blocks, and one for the first token "a" decodes (its prompt fills 18).
+    assert engine.stats().used_blocks == 37
+    events += _run(engine)
+    assert engine.preemptions >= 1 and engine.stats().preemptions == engine.preemptions
+    for rid in ("a", "b"):
+        assert [e.kind for e in events if e.req_id == rid].count("first_token") == 1
+        assert sum(e.tokens for e in events if e.req_id == rid and e.kind != "finished") \
+            == 10 * BT
+    # The older request ran through; the newer one waited for it to end before resuming.
+    finished = [e.req_id for e in events if e.kind == "finished"]
+    assert finished == ["a", "b"]
+    s = engine.stats()
+    assert s.used_blocks == 0 and s.running == s.waiting == 0 and s.pending_prefill_tokens == 0
+    assert s.generation_tokens == 20 * BT
+    # Its prompt's blocks stayed cached while it was preempted: its first admission's
+    # lookups are counted once, as vLLM counts a preempted request's apart.
+    assert s.prefix_cache_query_tokens == 36 * BT
+
+
+def test_lazy_kv_conserves_tokens_and_blocks_under_pressure() -> None:
+    """Many requests on a cache that their outputs overflow: preemptions happen, and
+    everything still finishes with its tokens and gives back every block."""
+    rng = random.Random(11)
+    engine = EngineModel(PROFILES["qwen-32b-h200"], 500 * BT, BT, max_running=32,
+                         lazy_kv=True, cache_outputs=True)
+    prefixes = [_hashes(f"sys{i}", rng.randint(20, 120)) for i in range(8)]
+    now, expected_gen, submitted = 0.0, 0, []
+    events: list[Event] = []
+    for i in range(400):
+        now += rng.expovariate(200.0)
+        events += _run(engine, until=now)
+        events += engine.advance(now)
+        hashes = rng.choice(prefixes) + _hashes(f"u{i}", rng.randint(0, 10))
+        granted = engine.submit(f"r{i}", hashes, len(hashes) * BT + 3, rng.randint(1, 400), now)
+        expected_gen += granted
+        submitted.append(f"r{i}")
+    events += _run(engine)
+    assert engine.preemptions > 0
+    assert {e.req_id for e in events if e.kind == "finished"} == set(submitted)
+    assert sum(e.kind == "first_token" for e in events) == 400
+    s = engine.stats()
+    assert s.generation_tokens == expected_gen and s.request_success == 400
+    assert s.used_blocks == 0 and s.running == s.waiting == 0
+    assert s.pending_prefill_tokens == 0
+    assert s.resident_blocks <= s.capacity_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -866,6 +866,45 @@ def test_the_scoreboard_sweeps_variants_against_the_oracle(capsys) -> None:
     assert [cells[3].strip() for cells in summary] == ["1", "1"]
 
 
+def test_the_scoreboard_runs_on_engines_that_allocate_as_vllm_does(
+        capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--vllm-engines` reaches every run, in the worker processes too: a run given the
+    vLLM-like engines reports here ten times its mean (on this light cell the two engines
+    agree, so the real figures alone could not tell)."""
+    import loadtests.scoreboard as scoreboard_module
+    from loadtests.scoreboard import SCENARIOS
+    from loadtests.scoreboard import main as scoreboard
+
+    real = scoreboard_module.simulate
+
+    def marked(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        report = real(*args, **kwargs)
+        if kwargs.get("engine_lazy_kv") and kwargs.get("engine_caches_outputs"):
+            report["ttft_mean_s"] *= 10
+        return report
+
+    monkeypatch.setattr(scoreboard_module, "simulate", marked)
+    assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning", "--sweep",
+                       "--vllm-engines", "--variant", "defaults", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "`python -m loadtests.scoreboard --sweep --only slow:multi_turn --set tuning " \
+        "--vllm-engines --variant defaults`" in out
+    row = next(line.split("|") for line in out.splitlines()
+               if line.startswith("| tuning | multi_turn on the slow fleet |"))
+    sc = next(sc for sc in SCENARIOS if sc.key == "slow:multi_turn" and not sc.held_out)
+    workload = load_workload(None, sc.workload, speedup=sc.speedup, params=dict(sc.params))
+    oracle = real(workload, "oracle", replicas=sc.replicas, fleet=sc.profiles(),
+                  engine_lazy_kv=True, engine_caches_outputs=True)
+    assert f"{oracle['ttft_mean_s'] * 10:.3f}" == row[5].strip()
+    # Without the flag the runs that follow are on the default engines again.
+    assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning", "--sweep",
+                       "--variant", "defaults", "--jobs", "1"]) == 0
+    row = next(line.split("|") for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| tuning | multi_turn on the slow fleet |"))
+    plain = real(workload, "oracle", replicas=sc.replicas, fleet=sc.profiles())
+    assert f"{plain['ttft_mean_s']:.3f}" == row[5].strip()
+
+
 def test_with_nothing_streamed_a_slow_replica_is_known_from_its_engines_metrics() -> None:
     from backends.sim.fleet_spec import fleet_profiles
     from gateway.config import RoutingSettings
@@ -947,3 +986,27 @@ def test_simulated_gateways_sharing_routing_state_keep_each_others_outputs(
     own_only = kept_outputs(False)
     assert min(own_only) > 0
     assert min(kept_outputs(True)) > 1.5 * max(own_only)
+
+
+def test_engines_with_lazy_kv_preempt_under_pressure_and_serve_every_request() -> None:
+    """`--engine-lazy-kv`: engines that take KV as tokens need it (vLLM) admit more at once
+    and preempt when decoding fills their cache; every request is still served, and the
+    gateway counts half of each max_tokens as it does for vLLM."""
+    from backends.sim.profiles import PROFILES
+    from loadtests.simulate import run_pool, simulate
+
+    tenants = load_workload(workload="tenants", limit=200,
+                            params={"output_tokens": 2_000, "rate_per_s": 40})
+
+    def run(lazy: bool) -> tuple[int, float]:
+        pool = run_pool(tenants, "prefix_affinity", profiles=[PROFILES["qwen-32b-h200"]] * 2,
+                        kv_capacity_tokens=64_000, max_output=2_000, engine_lazy_kv=lazy)
+        assert all(r >= 0 for r in pool.replica_of)
+        return sum(e.preemptions for e in pool.engines), pool.router.output_reserve
+
+    assert run(False) == (0, 1.0)
+    preempted, reserve = run(True)
+    assert preempted > 0 and reserve == 0.5
+    report = simulate(tenants, "prefix_affinity", replicas=2, kv_capacity_tokens=64_000,
+                      max_output=2_000, engine_lazy_kv=True)
+    assert report["errors"] == 0 and report["engine_preemptions"] > 0

@@ -48,6 +48,12 @@ class _Req:
     pinned: int = 0
     reserved: int = 0
     state: str = "waiting"  # waiting | prefill | decode | done
+    context: int = 0
+    """Tokens its prefill computes: the prompt, and, once preempted, what it had generated."""
+    decode_from: int = 0
+    """The engine's decode step its current run of decoding began with."""
+    epoch: int = 0
+    """Its preemptions so far: heap entries of an earlier run are stale."""
 
 
 @dataclass(slots=True)
@@ -70,8 +76,13 @@ class EngineModel:
     Each step decodes one token for every running sequence past prefill, then spends the rest
     of the step's token budget on prefill chunks: partially prefilled requests first, then new
     requests admitted FCFS from the waiting queue while running < max_running and the KV cache
-    can hold them. Admission reserves KV for the whole request (prompt plus max_tokens, as
-    trtllm's GUARANTEED_NO_EVICT does), so preemption is never needed and not modelled.
+    can hold them. By default admission reserves KV for the whole request (prompt plus
+    max_tokens, as trtllm's GUARANTEED_NO_EVICT does), so preemption is never needed. With
+    `lazy_kv`, as vLLM does, admission takes blocks for the prompt only and a decoding
+    sequence takes a block each time it fills one; when none is left, free or evictable,
+    the newest running request is preempted: its blocks are freed (its prompt's stay cached
+    until evicted) and it goes back to the head of the queue, to compute its prompt and what
+    it had generated again.
 
     Decoding is lazy: a sequence's token count is derived from a global decode-step counter and
     its finish step sits in a heap, so a decode step costs O(1) plus O(finishing requests)
@@ -92,6 +103,7 @@ class EngineModel:
         token_events: bool = False,
         iteration_log: int = 0,
         cache_outputs: bool = False,
+        lazy_kv: bool = False,
     ) -> None:
         if kv_capacity_tokens < block_tokens:
             raise ValueError("kv_capacity_tokens must hold at least one block")
@@ -108,13 +120,21 @@ class EngineModel:
         self.cache_outputs = cache_outputs
         """A finished request's full output blocks stay cached, as vLLM keeps every full block
         it computed (generated ones are hashed too); off: its output's room is freed."""
+        self.lazy_kv = lazy_kv
+        """KV taken as a request's tokens need it, with preemption (vLLM); off: reserved whole
+        at admission (TensorRT-LLM's GUARANTEED_NO_EVICT)."""
+        self.preemptions = 0
+        self._grow_heap: list[tuple[int, int, int, _Req]] = []
+        """(decode step at which it needs one more block, seq, epoch, request), `lazy_kv`."""
+        self._running_order: list[_Req] = []
+        """Running requests, oldest admission first (`lazy_kv`): the last is preempted first."""
         self.iterations: deque[IterationRecord] = deque(maxlen=max(iteration_log, 1))
         self._log_iterations = iteration_log > 0
         self._reqs: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
         self._prefilling: list[_Req] = []
         self._decoding: dict[str, _Req] = {}
-        self._finish_heap: list[tuple[int, int, _Req]] = []
+        self._finish_heap: list[tuple[int, int, int, _Req]] = []
         self._seq = 0
         self._dsteps = 0
         self._step: _Step | None = None
@@ -137,7 +157,7 @@ class EngineModel:
         if step is None:
             return False
         return step.n_decode > 0 or any(
-            req.computed + k >= req.prompt_tokens for req, k in step.chunks
+            req.computed + k >= req.context for req, k in step.chunks
         )
 
     def advance(self, now: float) -> list[Event]:
@@ -175,7 +195,8 @@ class EngineModel:
         max_tokens = min(max_tokens, self.capacity_tokens - prompt_tokens)
         hashes = list(block_hashes[: prompt_tokens // bt])
         total_blocks = -(-(prompt_tokens + max_tokens) // bt)
-        req = _Req(req_id, hashes, prompt_tokens, max_tokens, now, total_blocks)
+        req = _Req(req_id, hashes, prompt_tokens, max_tokens, now, total_blocks,
+                   context=prompt_tokens)
         self._reqs[req_id] = req
         self._waiting.append(req)
         self._pending_prefill += prompt_tokens
@@ -190,11 +211,11 @@ class EngineModel:
             return False
         if req.state == "waiting":
             self._waiting.remove(req)
-            self._pending_prefill -= req.prompt_tokens
+            self._pending_prefill -= req.context
             self._kv_blocked = False  # it may have been the head that did not fit
         elif req.state == "prefill":
             self._prefilling.remove(req)
-            self._pending_prefill -= req.prompt_tokens - req.computed
+            self._pending_prefill -= req.context - req.computed
             self._release(req)
         elif req.state == "decode":
             del self._decoding[req_id]
@@ -266,12 +287,15 @@ class EngineModel:
             alloc_total_blocks=c.alloc_total_blocks,
             alloc_new_blocks=c.alloc_new_blocks,
             iterations=self._iter,
+            preemptions=self.preemptions,
         )
 
     # -- scheduling ------------------------------------------------------------------------
 
     def _start_step(self, t: float) -> None:
         prof = self.profile
+        # vLLM admits no waiting request in a step that had to preempt a running one.
+        preempted = self.lazy_kv and bool(self._decoding) and self._grow(self._dsteps + 1)
         n_decode = len(self._decoding)
         budget = self.max_batched_tokens - n_decode
         cost = prof.step_overhead_s + prof.decode_s(n_decode)
@@ -279,7 +303,7 @@ class EngineModel:
         for req in self._prefilling:
             if budget <= 0:
                 break
-            k = min(req.prompt_tokens - req.computed, budget)
+            k = min(req.context - req.computed, budget)
             cost += prof.prefill_chunk_s(k, req.computed)
             chunks.append((req, k))
             budget -= k
@@ -289,6 +313,7 @@ class EngineModel:
             waiting
             and budget > 0
             and not self._kv_blocked
+            and not preempted
             and self.num_running < self.max_running
             and waiting[0].arrival <= t
         ):
@@ -298,7 +323,7 @@ class EngineModel:
                 break
             waiting.popleft()
             n_new += 1
-            k = min(req.prompt_tokens - req.computed, budget)
+            k = min(req.context - req.computed, budget)
             cost += prof.prefill_chunk_s(k, req.computed) + prof.cached_token_s * req.computed
             chunks.append((req, k))
             budget -= k
@@ -314,23 +339,28 @@ class EngineModel:
     def _admit(self, req: _Req, t: float) -> bool:
         cache, bt = self.cache, self.block_tokens
         # vLLM always computes the last prompt token, so a full hit stops one token short.
-        hashes = req.hashes[: (req.prompt_tokens - 1) // bt]
+        hashes = req.hashes[: (req.context - 1) // bt]
         matched = cache.match(hashes)
         cache.acquire(hashes[:matched])
-        need = req.total_blocks - matched
+        need = (-(-req.context // bt) if self.lazy_kv else req.total_blocks) - matched
         if not cache.reserve(need):
             cache.release(hashes[:matched])
             return False
-        cache.query_tokens += req.prompt_tokens
-        cache.hit_tokens += matched * bt
-        req.cached_tokens = req.computed = matched * bt
+        req.computed = matched * bt
         req.pinned = matched
         req.reserved = need
         req.state = "prefill"
+        self._prefilling.append(req)
+        self._pending_prefill -= req.computed
+        if self.lazy_kv:
+            self._running_order.append(req)
+        if req.epoch:
+            return True  # resumed after a preemption: counted when it was first admitted
+        cache.query_tokens += req.prompt_tokens
+        cache.hit_tokens += matched * bt
+        req.cached_tokens = req.computed
         req.scheduled_time = t
         self._c.queue_time.observe(t - req.arrival)
-        self._prefilling.append(req)
-        self._pending_prefill -= req.cached_tokens
         c = self._c
         prompt_blocks = -(-req.prompt_tokens // bt)
         c.reused_blocks += matched
@@ -342,6 +372,8 @@ class EngineModel:
     def _release(self, req: _Req, output_blocks: int = 0) -> None:
         """Give back what `req` holds; its `output_blocks` stay cached, evicted before its
         prompt's blocks (vLLM frees a request's blocks tail first)."""
+        if self.lazy_kv:
+            self._running_order.remove(req)
         self.cache.unreserve(req.reserved)
         if output_blocks:
             self.cache.keep_output(output_blocks)
@@ -365,6 +397,67 @@ class EngineModel:
             c.tpot.observe((t - req.first_token_time) / (req.max_tokens - 1))
         events.append(Event("finished", req.req_id, t, req.max_tokens, req.cached_tokens, "length"))
 
+    def _decode(self, req: _Req, remaining: int) -> bool:
+        """`req` computed its context and sampled a token: it decodes its `remaining` tokens
+        from the next decode step on. True: it has none left (it finishes now)."""
+        if remaining <= 0:
+            return True
+        req.state = "decode"
+        self._decoding[req.req_id] = req
+        first = self._dsteps + 1
+        req.decode_from = first
+        self._seq += 1
+        heapq.heappush(self._finish_heap, (first + remaining - 1, self._seq, req.epoch, req))
+        if self.lazy_kv:
+            self._push_growth(req)
+        return False
+
+    def _push_growth(self, req: _Req) -> None:
+        """When `req` next fills the blocks it holds: at decode step s it stores the KV of
+        context + 1 + (s - decode_from) tokens."""
+        held = (req.pinned + req.reserved) * self.block_tokens
+        self._seq += 1
+        heapq.heappush(self._grow_heap, (req.decode_from + held - req.context, self._seq,
+                                         req.epoch, req))
+
+    def _grow(self, step: int) -> bool:
+        """Before decode step `step`: a block for every decoding request that fills the ones
+        it holds, preempting the newest running request while none is left (vLLM's
+        scheduler does so for its running requests before it admits any). True: it
+        preempted one."""
+        heap = self._grow_heap
+        before = self.preemptions
+        while heap and heap[0][0] <= step:
+            _, _, epoch, req = heapq.heappop(heap)
+            if req.state != "decode" or epoch != req.epoch:
+                continue  # finished, aborted or preempted since
+            while not self.cache.reserve(1):
+                victim = self._running_order[-1]
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                req.reserved += 1
+                self._push_growth(req)
+        return self.preemptions > before
+
+    def _preempt(self, req: _Req, step: int) -> None:
+        """Free what running `req` holds and queue it first, to compute again its prompt and
+        the tokens it generated before decode step `step` (vLLM's recompute preemption)."""
+        if req.state == "decode":
+            del self._decoding[req.req_id]
+            req.context += 1 + step - req.decode_from
+        else:
+            self._prefilling.remove(req)
+            self._pending_prefill -= req.context - req.computed
+        self._release(req)
+        req.state = "waiting"
+        req.computed = 0
+        req.epoch += 1
+        self._pending_prefill += req.context
+        self._waiting.appendleft(req)
+        self.preemptions += 1
+
     def _finish_step(self, events: list[Event]) -> None:
         step = self._step
         assert step is not None
@@ -379,9 +472,9 @@ class EngineModel:
                 events.extend(Event("tokens", rid, t, 1) for rid in decoding)
             heap = self._finish_heap
             while heap and heap[0][0] <= self._dsteps:
-                req = heapq.heappop(heap)[2]
-                if req.state != "decode":
-                    continue  # aborted while decoding
+                _, _, epoch, req = heapq.heappop(heap)
+                if req.state != "decode" or epoch != req.epoch:
+                    continue  # aborted or preempted while decoding
                 del decoding[req.req_id]
                 self._finish(req, t, events)
                 completed += 1
@@ -399,9 +492,17 @@ class EngineModel:
                     commit(h)
                 req.reserved -= full - req.pinned
                 req.pinned = full
-            if req.computed < req.prompt_tokens:
+            if req.computed < req.context:
                 continue
             self._prefilling.remove(req)
+            if req.epoch:  # resumed after a preemption: its next token, not its first
+                c.generation_tokens += 1
+                if self.token_events:
+                    events.append(Event("tokens", req.req_id, t, 1))
+                if self._decode(req, req.max_tokens - (req.context - req.prompt_tokens) - 1):
+                    self._finish(req, t, events)
+                    completed += 1
+                continue
             req.first_token_time = t
             c.ttft.observe(t - req.arrival)
             c.prefill_time.observe(t - req.scheduled_time)
@@ -410,14 +511,9 @@ class EngineModel:
             c.prompt_cached_tokens += req.cached_tokens
             c.generation_tokens += 1
             events.append(Event("first_token", req.req_id, t, 1, req.cached_tokens))
-            if req.max_tokens == 1:
+            if self._decode(req, req.max_tokens - 1):
                 self._finish(req, t, events)
                 completed += 1
-                continue
-            req.state = "decode"
-            self._decoding[req.req_id] = req
-            self._seq += 1
-            heapq.heappush(self._finish_heap, (self._dsteps + req.max_tokens - 1, self._seq, req))
         self._iter += 1
         if self._log_iterations:
             cache = self.cache

@@ -93,7 +93,8 @@ class VllmCollector:
             s.prefix_cache_hit_tokens,
         )
         yield _counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", lab, 0
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", lab,
+            s.preemptions,
         )
         yield _counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", lab, s.prompt_tokens

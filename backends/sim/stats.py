@@ -122,3 +122,4 @@ class EngineStats:
     alloc_total_blocks: int
     alloc_new_blocks: int
     iterations: int
+    preemptions: int = 0
