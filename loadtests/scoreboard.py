@@ -215,6 +215,11 @@ ABLATION: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
 )
 
 
+def _pool(jobs: int) -> Any:
+    """Worker processes for `_run`, each with this process's `_engine` (forked or not)."""
+    return Pool(max(1, jobs), initializer=_engine.update, initargs=(dict(_engine),))
+
+
 def _run(job: tuple[Scenario, str] | tuple[Scenario, str, tuple[tuple[str, Any], ...]]
          ) -> tuple[Scenario, str, dict[str, Any], float]:
     sc, policy = job[0], job[1]
@@ -293,7 +298,7 @@ def ablation(jobs: int) -> int:
     by_key = {f"{sc.key}/{sc.replicas}/{sc.load}": sc for sc in SCENARIOS}
     scs = [by_key[k] for k in ABLATION_SCENARIOS]
     work = [(sc, "prefix_affinity", params) for _, params in ABLATION for sc in scs]
-    with Pool(max(1, jobs), initializer=_engine.update, initargs=(dict(_engine),)) as pool:
+    with _pool(jobs) as pool:
         out = pool.map(_run, work)
     means = {(id(job[2]), job[0]): rep["ttft_mean_s"] for job, (_, _, rep, _) in
              zip(work, out, strict=True)}
@@ -360,7 +365,7 @@ def _run_labelled(work: Sequence[Any], labels: Sequence[str],
                   jobs: int) -> dict[tuple[Scenario, str], dict[str, Any]]:
     """Each `_run` job's report by (scenario, label), with its progress on stderr."""
     res: dict[tuple[Scenario, str], dict[str, Any]] = {}
-    with Pool(max(1, jobs), initializer=_engine.update, initargs=(dict(_engine),)) as pool:
+    with _pool(jobs) as pool:
         for label, (sc, _policy, report, wall) in zip(labels, pool.imap(_run, work), strict=True):
             res[(sc, label)] = report
             print(f"# {sc.title} {sc.replicas} {sc.load} {label}: TTFT mean "
@@ -485,8 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(sc, p) for sc in chosen for p in ALL_POLICIES]
     results: dict[Scenario, dict[str, dict[str, Any]]] = {sc: {} for sc in chosen}
     t0 = time.perf_counter()
-    with Pool(max(1, args.jobs), initializer=_engine.update,
-              initargs=(dict(_engine),)) as pool:
+    with _pool(args.jobs) as pool:
         for sc, policy, report, wall in pool.imap(_run, jobs):
             results[sc][policy] = report
             print(f"# {sc.key} {sc.replicas} {sc.load} {policy}: "

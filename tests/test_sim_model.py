@@ -26,6 +26,25 @@ def _run(engine: EngineModel, until: float | None = None) -> list[Event]:
     return events
 
 
+def _drive(engine: EngineModel, rng: random.Random, *, requests: int, rate: float,
+           prefixes: int, prefix_blocks: tuple[int, int],
+           max_tokens: int) -> tuple[list[Event], int]:
+    """Poisson arrivals of requests r0, r1, ...: one of `prefixes` shared prefixes plus up to
+    ten blocks of their own, each asking for 1 to `max_tokens` tokens; run until idle. The
+    events, and the tokens the engine granted in all."""
+    shared = [_hashes(f"sys{i}", rng.randint(*prefix_blocks)) for i in range(prefixes)]
+    now, granted = 0.0, 0
+    events: list[Event] = []
+    for i in range(requests):
+        now += rng.expovariate(rate)
+        events += _run(engine, until=now)
+        events += engine.advance(now)
+        hashes = rng.choice(shared) + _hashes(f"u{i}", rng.randint(0, 10))
+        granted += engine.submit(f"r{i}", hashes, len(hashes) * BT + 3,
+                                 rng.randint(1, max_tokens), now)
+    return events + _run(engine), granted
+
+
 def _first(events: list[Event], req_id: str) -> Event:
     return next(e for e in events if e.kind == "first_token" and e.req_id == req_id)
 
@@ -264,22 +283,11 @@ def test_iteration_log_records_steps() -> None:
 
 def test_many_requests_conserve_tokens_and_blocks() -> None:
     """A busy engine under KV pressure: everything finishes and every block comes back."""
-    rng = random.Random(7)
     engine = EngineModel(PROFILES["qwen-32b-h200"], 3_000 * BT, BT, max_running=32)
-    prefixes = [_hashes(f"sys{i}", rng.randint(20, 200)) for i in range(12)]
-    now, expected_gen, submitted = 0.0, 0, []
-    events: list[Event] = []
-    for i in range(600):
-        now += rng.expovariate(30.0)
-        events += _run(engine, until=now)
-        events += engine.advance(now)
-        hashes = rng.choice(prefixes) + _hashes(f"u{i}", rng.randint(0, 10))
-        granted = engine.submit(f"r{i}", hashes, len(hashes) * BT + 3, rng.randint(1, 64), now)
-        expected_gen += granted
-        submitted.append(f"r{i}")
-    events += _run(engine)
+    events, expected_gen = _drive(engine, random.Random(7), requests=600, rate=30.0,
+                                  prefixes=12, prefix_blocks=(20, 200), max_tokens=64)
     finished = {e.req_id for e in events if e.kind == "finished"}
-    assert finished == set(submitted)
+    assert finished == {f"r{i}" for i in range(600)}
     s = engine.stats()
     assert s.generation_tokens == expected_gen
     assert s.request_success == 600
@@ -325,23 +333,12 @@ def test_lazy_kv_admits_on_the_prompt_and_preempts_the_newest_when_blocks_run_ou
 def test_lazy_kv_conserves_tokens_and_blocks_under_pressure() -> None:
     """Many requests on a cache that their outputs overflow: preemptions happen, and
     everything still finishes with its tokens and gives back every block."""
-    rng = random.Random(11)
     engine = EngineModel(PROFILES["qwen-32b-h200"], 500 * BT, BT, max_running=32,
                          lazy_kv=True, cache_outputs=True)
-    prefixes = [_hashes(f"sys{i}", rng.randint(20, 120)) for i in range(8)]
-    now, expected_gen, submitted = 0.0, 0, []
-    events: list[Event] = []
-    for i in range(400):
-        now += rng.expovariate(200.0)
-        events += _run(engine, until=now)
-        events += engine.advance(now)
-        hashes = rng.choice(prefixes) + _hashes(f"u{i}", rng.randint(0, 10))
-        granted = engine.submit(f"r{i}", hashes, len(hashes) * BT + 3, rng.randint(1, 400), now)
-        expected_gen += granted
-        submitted.append(f"r{i}")
-    events += _run(engine)
+    events, expected_gen = _drive(engine, random.Random(11), requests=400, rate=200.0,
+                                  prefixes=8, prefix_blocks=(20, 120), max_tokens=400)
     assert engine.preemptions > 0
-    assert {e.req_id for e in events if e.kind == "finished"} == set(submitted)
+    assert {e.req_id for e in events if e.kind == "finished"} == {f"r{i}" for i in range(400)}
     assert sum(e.kind == "first_token" for e in events) == 400
     s = engine.stats()
     assert s.generation_tokens == expected_gen and s.request_success == 400
