@@ -72,6 +72,10 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
               "TTFT p99 s", "engine TTFT mean s", "TPOT p50 s", "hit ratio", "ideal", "hit/ideal",
               "imbalance",
               "prefill imb.", "prefill time imb.", "peak in-flight imb.", "duration s"]
+    # Only engines that allocate KV as they go preempt: the column where one did.
+    preempting = any(r.get("engine_preemptions") for r in results)
+    if preempting:
+        header.insert(-1, "preemptions")
     rows = []
     for r in results:
         hit, ideal = r.get("hit_ratio"), r.get("ideal_hit_ratio")
@@ -83,6 +87,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             _f(rel, 2), _f(r["imbalance"], 2),
             _f(r["prefill_imbalance"], 2), _f(r.get("prefill_time_imbalance"), 2),
             _f(r["peak_inflight_imbalance"], 2),
+            *([cell(r.get("engine_preemptions"), "{}")] if preempting else []),
             _f(r["duration_s"], 1)])
     return markdown_table(header, rows)
 
@@ -148,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         fleet.stop()
     ok = [r for r in results if "failed" not in r]
+    engines = ", allocating KV as vLLM does" if args.vllm_engines else ""
     print(f"\n{source}: {len(requests)} requests, speedup {args.speedup}, {args.replicas} "
           f"replicas ({describe(sims)}, time scale {args.time_scale}, "
-          f"{args.kv_capacity_tokens} KV tokens each)\n")
+          f"{args.kv_capacity_tokens} KV tokens each{engines})\n")
     print(results_table(ok), end="")
     for r in results:
         if "failed" in r:

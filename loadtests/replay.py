@@ -85,7 +85,9 @@ REASON_HEADER = "x-gateway-route-reason"
 
 ENGINE_TTFT_SUM = ENGINE_TTFT + "_sum"
 ENGINE_TTFT_COUNT = ENGINE_TTFT + "_count"
-_WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING, ENGINE_TTFT_SUM, ENGINE_TTFT_COUNT)
+PREEMPTIONS = "vllm:num_preemptions_total"
+_WANTED = (HITS, QUERIES, SUCCESS, RUNNING, WAITING, ENGINE_TTFT_SUM, ENGINE_TTFT_COUNT,
+           PREEMPTIONS)
 
 
 def log(msg: str) -> None:
@@ -357,7 +359,7 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
     per_req, per_prefill, hits = [], [], []
     queries = 0.0
     hit_total = 0.0
-    engine_ttft_sum = engine_ttft_count = 0.0
+    engine_ttft_sum = engine_ttft_count = preemptions = 0.0
     complete = all(m is not None for m in data.before + data.after) and data.before
     if complete:
         for b, a in zip(data.before, data.after, strict=True):
@@ -370,6 +372,7 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
             hit_total += dh
             engine_ttft_sum += a.get(ENGINE_TTFT_SUM, 0.0) - b.get(ENGINE_TTFT_SUM, 0.0)
             engine_ttft_count += a.get(ENGINE_TTFT_COUNT, 0.0) - b.get(ENGINE_TTFT_COUNT, 0.0)
+            preemptions += a.get(PREEMPTIONS, 0.0) - b.get(PREEMPTIONS, 0.0)
     out: dict[str, Any] = {
         "policy": policy,
         "requests": len(data.results),
@@ -398,6 +401,9 @@ def summarize(data: RunData, requests: Sequence[TraceRequest], policy: str,
         "requests_per_replica": [int(x) for x in per_req],
         "prefill_tokens_per_replica": [int(x) for x in per_prefill],
         "output_tokens": sum(r.tokens for r in ok),
+        # Running requests the engines preempted for KV (vLLM's counter; trtllm-serve's
+        # default scheduler reserves KV and never does).
+        "engine_preemptions": int(preemptions) if complete else None,
         "input_tokens": sum(r.input_tokens for r in requests),
     }
     served = [r.replica if r.ok else None for r in data.results]
@@ -514,6 +520,8 @@ def sim_conditions(args: argparse.Namespace) -> dict[str, Any]:
         out["fleet"] = describe(sim_fleet(args))
     if getattr(args, "engine", "vllm") != "vllm":
         out["engine"] = args.engine
+    if getattr(args, "vllm_engines", False):
+        out["vllm_engines"] = True
     return out
 
 
@@ -522,10 +530,13 @@ def start_sim_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[str], 
     describe (`args.replicas` set to their count): their base URLs and ReplicaProfiles."""
     sims = sim_fleet(args)
     args.replicas = len(sims)
+    engine = getattr(args, "engine", "vllm")
+    vllm_kv = getattr(args, "vllm_engines", False)
+    if vllm_kv and engine != "vllm":
+        raise SystemExit(f"{sys.argv[0]}: --vllm-engines needs --engine vllm")
     urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
                             args.time_scale, fleet=getattr(args, "fleet", None),
-                            slow=getattr(args, "slow", None),
-                            engine=getattr(args, "engine", "vllm"))
+                            slow=getattr(args, "slow", None), engine=engine, vllm_kv=vllm_kv)
     return urls, sims
 
 
@@ -548,6 +559,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("vllm", "trtllm"), default="vllm",
                    help="the simulated replicas' engine: vLLM, or trtllm-serve (JSON iteration "
                         "stats, and its Prometheus page as with return_perf_metrics)")
+    p.add_argument("--vllm-engines", action="store_true",
+                   help="the simulated vLLM replicas take KV blocks as tokens need them, "
+                        "preempt when none is left and keep finished outputs cached, as vLLM "
+                        "does (default: they reserve prompt plus max_tokens and free outputs)")
 
 
 def default_policy() -> str:

@@ -99,6 +99,34 @@ def test_replay_sends_a_share_of_requests_non_streaming(run) -> None:
     assert res["output_tokens"] == limit * 8  # every answer, streamed or whole, counted
 
 
+def test_replay_on_replicas_that_allocate_kv_as_vllm_does(run) -> None:
+    # 1,024-token prompts asking 400 tokens each on 4,096 KV tokens a replica: replicas that
+    # reserve prompt plus output admit two at a time and never preempt; with --vllm-engines
+    # they admit on the prompt, run out of blocks mid-decode and preempt, and every token
+    # still arrives.
+    limit = 24
+    args = ["--workload", "tenants", "--replicas", "2", "--limit", str(limit), "--speedup", "4",
+            "--time-scale", "0.05", "--max-output", "400", "--kv-capacity-tokens", "4096",
+            *[f"--workload-param={k}={v}" for k, v in {
+                "n_tenants": 3, "n_requests": 30, "system_blocks": 1, "query_blocks": 1,
+                "output_tokens": 400}.items()]]
+    reserving = run(args)
+    assert reserving["errors"] == 0 and reserving["engine_preemptions"] == 0
+    assert "vllm_engines" not in reserving
+    lazy = run([*args, "--vllm-engines"])
+    assert lazy["errors"] == 0, lazy.get("first_errors")
+    assert lazy["vllm_engines"] is True and lazy["engine_preemptions"] > 0
+    assert lazy["output_tokens"] == reserving["output_tokens"] == limit * 400
+
+
+def test_vllm_engines_are_refused_with_trtllm_replicas(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "tenants", "--replicas", "1", "--limit", "1", "--engine", "trtllm",
+              "--vllm-engines"])
+    assert "--vllm-engines needs --engine vllm" in str(exc.value)
+
+
 # -- several gateways: round robin over them, and agreement --------------------------------
 
 

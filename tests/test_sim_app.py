@@ -122,3 +122,43 @@ async def test_token_ids_out_of_vocabulary_are_a_400(sim: SimApp, prompt: list) 
     status, _, body = await _post(sim, "/v1/completions", {"model": "tiny", "prompt": prompt})
     assert status == 400
     assert "out of vocabulary" in orjson.loads(body)["error"]["message"]
+
+
+async def _crowd(kv: SimReplicaSpec) -> tuple[list[dict], dict, bytes]:
+    """Six 21-token prompts (one full block of 16 each) asking 56 tokens each, 5 blocks a
+    request in all, at once on a 24-block cache: the replies, then /sim/state and /metrics
+    once all have ended."""
+    import asyncio
+
+    app = SimApp.from_spec(kv)
+    try:
+        bodies = [{"prompt": f"{i} " + "x " * 40, "max_tokens": 56} for i in range(6)]
+        replies = await asyncio.gather(*(_post(app, "/v1/completions", b) for b in bodies))
+        metrics = await app.handle("GET", "/metrics", {}, b"")
+        return [orjson.loads(body) for _, _, body in replies], await _state(app), metrics.body
+    finally:
+        app.close()
+
+
+async def test_lazy_kv_replica_preempts_under_pressure_and_delivers_every_token() -> None:
+    spec = SimReplicaSpec(name="lazy", kind="vllm", time_scale=0.01, kv_capacity_tokens=384,
+                          lazy_kv=True, cache_outputs=True)
+    replies, state, metrics = await _crowd(spec)
+    assert [r["usage"]["completion_tokens"] for r in replies] == [56] * 6
+    # The six prompts' 12 blocks fit at admission, their 30 blocks in all do not: a sequence
+    # finds no block mid-decode and the newest running request is preempted.
+    assert state["lazy_kv"] and state["preemptions"] > 0
+    preempted = [line for line in metrics.splitlines()
+                 if line.startswith(b"vllm:num_preemptions_total")]
+    assert preempted and float(preempted[0].rsplit(b" ", 1)[1]) == state["preemptions"]
+    assert state["running"] == state["waiting"] == state["used_blocks"] == 0
+    # Kept outputs: more resident than the six prompts' full blocks alone.
+    assert state["resident_blocks"] > 6
+
+
+async def test_reserving_replica_never_preempts_on_the_same_crowd() -> None:
+    spec = SimReplicaSpec(name="reserve", kind="vllm", time_scale=0.01, kv_capacity_tokens=384)
+    replies, state, _ = await _crowd(spec)
+    assert [r["usage"]["completion_tokens"] for r in replies] == [56] * 6
+    assert not state["lazy_kv"] and state["preemptions"] == 0
+    assert state["resident_blocks"] == 6  # each prompt's full block; outputs freed

@@ -44,6 +44,17 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-running", type=int, default=None, help="max running sequences (default: profile)"
     )
+    parser.add_argument(
+        "--lazy-kv", action="store_true",
+        help="take KV blocks as tokens need them and preempt the newest request when none is "
+             "left, as vLLM does (default: reserve prompt plus max_tokens at admission, as "
+             "trtllm-serve's default scheduler does)",
+    )
+    parser.add_argument(
+        "--cache-outputs", action="store_true",
+        help="a finished request's full output blocks stay in the prefix cache, as vLLM keeps "
+             "them (default: their room is freed)",
+    )
     parser.add_argument("--name", default="sim", help="replica name prefix")
     parser.add_argument(
         "--trtllm-perf-metrics",
@@ -80,6 +91,8 @@ def specs_from_args(args: argparse.Namespace) -> list[SimReplicaSpec]:
             max_running=args.max_running,
             trtllm_perf_metrics=args.trtllm_perf_metrics,
             trtllm_legacy_metrics=args.trtllm_legacy_metrics,
+            lazy_kv=args.lazy_kv,
+            cache_outputs=args.cache_outputs,
         )
         for i in range(count)
     ]

@@ -82,6 +82,8 @@ async def state(app: SimApp, request: SimRequest) -> SimResponse:
         "models": list(r.spec.models),
         "profile": r.spec.profile,
         "time_scale": r.spec.time_scale,
+        "lazy_kv": r.spec.lazy_kv,
+        "cache_outputs": r.spec.cache_outputs,
         "failing": app.failing,
         "drop_reused": app.drop_reused,
         "block_tokens": r.block_tokens,
@@ -103,6 +105,7 @@ async def state(app: SimApp, request: SimRequest) -> SimResponse:
         "ttft_count": s.ttft_count,
         "ttft_sum": s.ttft_sum,
         "iterations": s.iterations,
+        "preemptions": s.preemptions,
     }
     if request.query.get("hashes"):
         # Block hashes as strings: JSON readers often lose precision on 64-bit integers.

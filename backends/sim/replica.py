@@ -34,6 +34,8 @@ class SimReplicaSpec:
     trtllm_perf_metrics: bool = False  # mount /prometheus/metrics (return_perf_metrics)
     trtllm_legacy_metrics: bool = False  # 1.1.0rc5's five un-prefixed Prometheus names
     version: str | None = None  # /version; None: a version with this surface
+    lazy_kv: bool = False  # KV taken as tokens need it, with preemption, as vLLM does
+    cache_outputs: bool = False  # finished outputs' full blocks stay cached, as in vLLM
 
     def __post_init__(self) -> None:
         if self.kind not in DEFAULT_BLOCK_TOKENS:
@@ -108,6 +110,8 @@ class SimReplica:
             time_scale=spec.time_scale,
             token_events=True,
             iteration_log=TRTLLM_ITER_STATS_KEPT if spec.kind == "trtllm" else 0,
+            lazy_kv=spec.lazy_kv,
+            cache_outputs=spec.cache_outputs,
         )
         self.port = spec.port
         self._handles: dict[str, RequestHandle] = {}
