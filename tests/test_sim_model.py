@@ -330,6 +330,32 @@ def test_lazy_kv_admits_on_the_prompt_and_preempts_the_newest_when_blocks_run_ou
     assert s.prefix_cache_query_tokens == 36 * BT
 
 
+def test_lazy_kv_preempted_during_its_prefill_still_reports_its_first_token() -> None:
+    """A request preempted before its first token (its prefill chunked over many steps while
+    an older one decodes into the last free block) computes its prompt again and then
+    reports its first token, once, with its TTFT; it used to be taken for a resumed one and
+    report none."""
+    engine = EngineModel(PROFILES["llama-8b-h200"], 40 * BT, BT, lazy_kv=True,
+                         token_events=True, max_batched_tokens=BT // 2 + 1)
+    engine.submit("a", _hashes("a", 18), 18 * BT, 10 * BT, now=0.0)
+    events: list[Event] = []
+    while not events or events[-1].kind != "first_token":
+        t = engine.next_event_time()
+        assert t is not None
+        events += engine.advance(t)
+    engine.submit("b", _hashes("b", 20), 20 * BT, 4, now=events[-1].time)
+    events += _run(engine)
+    assert engine.preemptions == 1
+    first = [e for e in events if e.kind == "first_token"]
+    assert [e.req_id for e in first] == ["a", "b"]
+    b_first = first[1]
+    assert b_first.time > next(e.time for e in events if e.kind == "finished" and e.req_id == "a")
+    assert sum(e.tokens for e in events if e.req_id == "b" and e.kind != "finished") == 4
+    s = engine.stats()
+    assert s.ttft_count == 2 and s.prompt_tokens == 38 * BT
+    assert s.used_blocks == 0 and s.running == s.waiting == 0 and s.pending_prefill_tokens == 0
+
+
 def test_lazy_kv_conserves_tokens_and_blocks_under_pressure() -> None:
     """Many requests on a cache that their outputs overflow: preemptions happen, and
     everything still finishes with its tokens and gives back every block."""

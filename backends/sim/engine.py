@@ -495,7 +495,9 @@ class EngineModel:
             if req.computed < req.context:
                 continue
             self._prefilling.remove(req)
-            if req.epoch:  # resumed after a preemption: its next token, not its first
+            # Resumed after a preemption while it decoded: its next token, not its first. (One
+            # preempted during its prefill generated nothing: its context is its prompt.)
+            if req.context > req.prompt_tokens:
                 c.generation_tokens += 1
                 if self.token_events:
                     events.append(Event("tokens", req.req_id, t, 1))
