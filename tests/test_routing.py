@@ -553,6 +553,29 @@ def test_requests_in_flight_count_as_queue() -> None:
         assert d.replica != owner
 
 
+@pytest.mark.parametrize(("kv_usage", "pressure", "stays"), [
+    (None, 0.8, False),  # no engine reports its KV usage: the queue weighs load_weight
+    (0.5, 0.8, False),
+    (0.85, 0.8, True),
+    (0.85, None, False),  # the rule off
+])
+def test_a_fleet_near_its_kv_capacity_weighs_the_queue_less_than_a_miss(
+        kv_usage: float | None, pressure: float | None, stays: bool) -> None:
+    # A 5,000-token context held by one replica with 16,000 tokens of prefill queued; every
+    # other replica has a token queued (so the fleet is busy and the weight is load_weight,
+    # 0.5). At 0.5 the holder's queue prices 8,000 tokens against the 5,000 a miss costs
+    # elsewhere, past the slack: the turn leaves its context. At kv_pressure_load_weight
+    # (0.25) it prices 4,000 and the turn stays where its context is cached.
+    router = make_router(kv_pressure_usage=pressure, time_cap=None)
+    context = system_prompt(7, 20_000)
+    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
+    views = [ReplicaView(name=n, pending_prefill_tokens=16_000 if n == holder else 1,
+                         kv_usage=kv_usage) for n in REPLICAS]
+    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    assert (d.replica == holder) is stays
+    assert d.matched_blocks > 0 if stays else d.matched_blocks == 0
+
+
 def test_cold_prompts_of_uneven_length_balance_prefill() -> None:
     router = make_router()
     sent: Counter[str] = Counter()

@@ -39,6 +39,14 @@ class PrefixAffinitySettings(PolicySettings):
     idle_load_weight: float | None = Field(
         1.5, ge=0.0, description="queue weight when no replica has prefill queued; it moves "
         "linearly to load_weight as more replicas do (None: always load_weight)")
+    kv_pressure_usage: float | None = Field(
+        0.8, gt=0.0, le=1.0, description="mean KV usage of the pool's engines (ReplicaView."
+        "kv_usage, of those that report it) from which the queue weighs kv_pressure_load_weight "
+        "rather than load_weight: a miss then also takes KV room that evicts other prompts' "
+        "cache and holds back admission, which the queue does not show (None: off)")
+    kv_pressure_load_weight: float = Field(0.25, ge=0.0, description="queue weight while the "
+                                           "engines' mean KV usage is at kv_pressure_usage or "
+                                           "above")
     inflight_tokens: float = Field(256.0, ge=0.0, description="queue tokens counted per "
                                    "request in flight on a replica")
     drain_pending: bool = Field(True, description="count a replica's pending prefill less "
@@ -180,7 +188,11 @@ class PrefixAffinity(Policy):
        from `idle_load_weight` when no replica has prefill queued to `load_weight` when all
        do: on a busy fleet a miss is work that every later request pays for, which the
        request's own TTFT does not see, so a hit is worth more than an equal amount of queue;
-       on an idle fleet the queue is what the request waits for. Last, the wait for the
+       on an idle fleet the queue is what the request waits for. While the engines' mean KV
+       usage is at `kv_pressure_usage` or above, the weight is `kv_pressure_load_weight`:
+       there a miss also takes KV room, evicting other prompts' cache and holding back
+       admission, so a fleet near its KV capacity that balances queues over hits runs out
+       of KV sooner and tips past saturation. Last, the wait for the
        engine step in flight there (`ReplicaView.step_wait_tokens`): an engine admits new
        work only between steps.
     3. Replicas within `slack` of the cheapest stay candidates and the longest matched prefix
@@ -233,6 +245,8 @@ class PrefixAffinity(Policy):
         self.busy_speed = s.busy_speed
         self.waiting_stops_drain = s.waiting_stops_drain
         self.waiting_kv_usage = s.waiting_kv_usage
+        self.kv_pressure_usage = s.kv_pressure_usage
+        self.kv_pressure_load_weight = s.kv_pressure_load_weight
         self.blocked_speed_cap = s.blocked_speed_cap
         self.own_speed = s.own_speed and s.replica_speed
         self.own_speed_step_tokens = s.own_speed_step_tokens
@@ -269,6 +283,9 @@ class PrefixAffinity(Policy):
         own = self.own_speed and busy < 1.0 and mixed
         bounds = self._bounds(replicas, busy, own)
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
+        pressure = self.kv_pressure_usage
+        if pressure is not None and self._mean_kv_usage_at_least(replicas, pressure):
+            w = self.kv_pressure_load_weight
         # With own_speed, decoding requests count as queue only as far as the fleet is busy:
         # on an idle one each lengthens the request's prefill step by a millisecond or so, and
         # counted whole they outweighed a fast replica's speed and sent requests to a slow
@@ -584,6 +601,16 @@ class PrefixAffinity(Policy):
                 and not (self.waiting_stops_drain and self._blocked(r))):
             return r.prefill_left_tokens
         return r.pending_prefill_tokens
+
+    @staticmethod
+    def _mean_kv_usage_at_least(replicas: Sequence[ReplicaView], usage: float) -> bool:
+        """Whether the engines that report KV usage use `usage` of it on average."""
+        total, known = 0.0, 0
+        for r in replicas:
+            if r.kv_usage is not None:
+                total += r.kv_usage
+                known += 1
+        return known > 0 and total >= usage * known
 
     def _blocked(self, r: ReplicaView) -> bool:
         """Whether r's engine, as last scraped, has requests it cannot admit for want of KV."""
