@@ -576,6 +576,27 @@ def test_a_fleet_near_its_kv_capacity_weighs_the_queue_less_than_a_miss(
     assert d.matched_blocks > 0 if stays else d.matched_blocks == 0
 
 
+def test_kv_pressure_never_weighs_the_queue_more_than_the_settings_do() -> None:
+    # The same context, its holder's queue now 32,000 tokens: at the rule's 0.25 it prices
+    # 8,000 against the 5,000 a miss costs, so the turn would leave. An operator who weighs
+    # the queue at 0.1 everywhere keeps it (3,200) under KV pressure too: the rule lowers
+    # the weight, it never raises it.
+    router = make_router(load_weight=0.1, idle_load_weight=0.1, time_cap=None)
+    context = system_prompt(7, 20_000)
+    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
+    views = [ReplicaView(name=n, pending_prefill_tokens=32_000 if n == holder else 1,
+                         kv_usage=0.85) for n in REPLICAS]
+    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    assert d.replica == holder and d.matched_blocks > 0
+    # At the defaults' 0.5, the same 0.85 of KV used brings it to 0.25, and the turn leaves.
+    router = make_router(time_cap=None)
+    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
+    views = [ReplicaView(name=n, pending_prefill_tokens=32_000 if n == holder else 1,
+                         kv_usage=0.85) for n in REPLICAS]
+    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    assert d.replica != holder and d.matched_blocks == 0
+
+
 def test_cold_prompts_of_uneven_length_balance_prefill() -> None:
     router = make_router()
     sent: Counter[str] = Counter()

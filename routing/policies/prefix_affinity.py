@@ -41,12 +41,12 @@ class PrefixAffinitySettings(PolicySettings):
         "linearly to load_weight as more replicas do (None: always load_weight)")
     kv_pressure_usage: float | None = Field(
         0.8, gt=0.0, le=1.0, description="mean KV usage of the pool's engines (ReplicaView."
-        "kv_usage, of those that report it) from which the queue weighs kv_pressure_load_weight "
-        "rather than load_weight: a miss then also takes KV room that evicts other prompts' "
+        "kv_usage, of those that report it) from which the queue weighs at most "
+        "kv_pressure_load_weight: a miss then also takes KV room that evicts other prompts' "
         "cache and holds back admission, which the queue does not show (None: off)")
-    kv_pressure_load_weight: float = Field(0.25, ge=0.0, description="queue weight while the "
-                                           "engines' mean KV usage is at kv_pressure_usage or "
-                                           "above")
+    kv_pressure_load_weight: float = Field(0.25, ge=0.0, description="the most the queue "
+                                           "weighs while the engines' mean KV usage is at "
+                                           "kv_pressure_usage or above")
     inflight_tokens: float = Field(256.0, ge=0.0, description="queue tokens counted per "
                                    "request in flight on a replica")
     drain_pending: bool = Field(True, description="count a replica's pending prefill less "
@@ -189,7 +189,8 @@ class PrefixAffinity(Policy):
        do: on a busy fleet a miss is work that every later request pays for, which the
        request's own TTFT does not see, so a hit is worth more than an equal amount of queue;
        on an idle fleet the queue is what the request waits for. While the engines' mean KV
-       usage is at `kv_pressure_usage` or above, the weight is `kv_pressure_load_weight`:
+       usage is at `kv_pressure_usage` or above, the weight is at most
+       `kv_pressure_load_weight`:
        there a miss also takes KV room, evicting other prompts' cache and holding back
        admission, so a fleet near its KV capacity that balances queues over hits runs out
        of KV sooner and tips past saturation. Last, the wait for the
@@ -285,7 +286,7 @@ class PrefixAffinity(Policy):
         w = self.idle_load_weight + (self.load_weight - self.idle_load_weight) * busy
         pressure = self.kv_pressure_usage
         if pressure is not None and self._mean_kv_usage_at_least(replicas, pressure):
-            w = self.kv_pressure_load_weight
+            w = min(w, self.kv_pressure_load_weight)
         # With own_speed, decoding requests count as queue only as far as the fleet is busy:
         # on an idle one each lengthens the request's prefill step by a millisecond or so, and
         # counted whole they outweighed a fast replica's speed and sent requests to a slow
