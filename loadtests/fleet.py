@@ -63,10 +63,10 @@ class Fleet:
                    time_scale: float = 1.0, model: str = MODEL,
                    deadline_s: float = 60.0, name: str = "sim", fleet: str | None = None,
                    slow: str | None = None, engine: str = "vllm",
-                   vllm_kv: bool = False) -> list[str]:
+                   vllm_engines: bool = False) -> list[str]:
         """`n` simulated replicas in one process; their base URLs once all are healthy.
         `engine`: "vllm", or "trtllm" (trtllm-serve with its Prometheus page mounted).
-        `vllm_kv`: KV taken on demand with preemption, and outputs kept cached, as vLLM does.
+        `vllm_engines`: KV taken on demand with preemption, and outputs kept cached, as vLLM does.
 
         `name` prefixes the replicas' names and names the log (`NAMEs.log`), so a benchmark
         can run several such processes (one per pool). `fleet` and `slow` give the replicas
@@ -77,7 +77,7 @@ class Fleet:
         proc = self.spawn([sys.executable, "-m", "backends.sim", "--port", str(base),
                            "--count", str(n), "--kind", engine, "--model", model,
                            *(["--trtllm-perf-metrics"] if engine == "trtllm" else []),
-                           *(["--lazy-kv", "--cache-outputs"] if vllm_kv else []),
+                           *(["--lazy-kv", "--cache-outputs"] if vllm_engines else []),
                            "--profile", profile, "--time-scale", str(time_scale),
                            "--kv-capacity-tokens", str(kv_capacity_tokens), "--name", name,
                            *mixed], f"{name}s")

@@ -531,12 +531,13 @@ def start_sim_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[str], 
     sims = sim_fleet(args)
     args.replicas = len(sims)
     engine = getattr(args, "engine", "vllm")
-    vllm_kv = getattr(args, "vllm_engines", False)
-    if vllm_kv and engine != "vllm":
+    vllm_engines = getattr(args, "vllm_engines", False)
+    if vllm_engines and engine != "vllm":
         raise SystemExit(f"{sys.argv[0]}: --vllm-engines needs --engine vllm")
     urls = fleet.start_sims(args.replicas, args.kv_capacity_tokens, args.profile,
                             args.time_scale, fleet=getattr(args, "fleet", None),
-                            slow=getattr(args, "slow", None), engine=engine, vllm_kv=vllm_kv)
+                            slow=getattr(args, "slow", None), engine=engine,
+                            vllm_engines=vllm_engines)
     return urls, sims
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -124,13 +125,11 @@ async def test_token_ids_out_of_vocabulary_are_a_400(sim: SimApp, prompt: list) 
     assert "out of vocabulary" in orjson.loads(body)["error"]["message"]
 
 
-async def _crowd(kv: SimReplicaSpec) -> tuple[list[dict], dict, bytes]:
+async def _crowd(spec: SimReplicaSpec) -> tuple[list[dict], dict, bytes]:
     """Six 21-token prompts (one full block of 16 each) asking 56 tokens each, 5 blocks a
     request in all, at once on a 24-block cache: the replies, then /sim/state and /metrics
     once all have ended."""
-    import asyncio
-
-    app = SimApp.from_spec(kv)
+    app = SimApp.from_spec(spec)
     try:
         bodies = [{"prompt": f"{i} " + "x " * 40, "max_tokens": 56} for i in range(6)]
         replies = await asyncio.gather(*(_post(app, "/v1/completions", b) for b in bodies))
