@@ -553,6 +553,19 @@ def test_requests_in_flight_count_as_queue() -> None:
         assert d.replica != owner
 
 
+def second_turn(router: Router, holder_queued: float,
+                kv_usage: float | None) -> tuple[str, Decision]:
+    """The replica holding a 5,000-token context after its first turn, and the decision for
+    the second turn while that holder has `holder_queued` tokens of prefill queued, every
+    other replica one token (so the fleet is busy: the queue weighs load_weight), and every
+    engine reports `kv_usage`."""
+    context = system_prompt(7, 20_000)
+    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
+    views = [ReplicaView(name=n, pending_prefill_tokens=holder_queued if n == holder else 1,
+                         kv_usage=kv_usage) for n in REPLICAS]
+    return holder, router.route(router.request_from_text(chat_text(context, "second")), views)
+
+
 @pytest.mark.parametrize(("kv_usage", "pressure", "stays"), [
     (None, 0.8, False),  # no engine reports its KV usage: the queue weighs load_weight
     (0.5, 0.8, False),
@@ -561,39 +574,26 @@ def test_requests_in_flight_count_as_queue() -> None:
 ])
 def test_a_fleet_near_its_kv_capacity_weighs_the_queue_less_than_a_miss(
         kv_usage: float | None, pressure: float | None, stays: bool) -> None:
-    # A 5,000-token context held by one replica with 16,000 tokens of prefill queued; every
-    # other replica has a token queued (so the fleet is busy and the weight is load_weight,
-    # 0.5). At 0.5 the holder's queue prices 8,000 tokens against the 5,000 a miss costs
-    # elsewhere, past the slack: the turn leaves its context. At kv_pressure_load_weight
-    # (0.25) it prices 4,000 and the turn stays where its context is cached.
-    router = make_router(kv_pressure_usage=pressure, time_cap=None)
-    context = system_prompt(7, 20_000)
-    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
-    views = [ReplicaView(name=n, pending_prefill_tokens=16_000 if n == holder else 1,
-                         kv_usage=kv_usage) for n in REPLICAS]
-    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    # The holder has 16,000 tokens of prefill queued. At load_weight (0.5) its queue prices
+    # 8,000 tokens against the 5,000 a miss costs elsewhere, past the slack: the turn leaves
+    # its context. At kv_pressure_load_weight (0.25) it prices 4,000 and the turn stays where
+    # its context is cached.
+    holder, d = second_turn(make_router(kv_pressure_usage=pressure, time_cap=None), 16_000,
+                            kv_usage)
     assert (d.replica == holder) is stays
     assert d.matched_blocks > 0 if stays else d.matched_blocks == 0
 
 
 def test_kv_pressure_never_weighs_the_queue_more_than_the_settings_do() -> None:
-    # The same context, its holder's queue now 32,000 tokens: at the rule's 0.25 it prices
-    # 8,000 against the 5,000 a miss costs, so the turn would leave. An operator who weighs
-    # the queue at 0.1 everywhere keeps it (3,200) under KV pressure too: the rule lowers
-    # the weight, it never raises it.
+    # The holder's queue now 32,000 tokens: at the rule's 0.25 it prices 8,000 against the
+    # 5,000 a miss costs, so the turn would leave. An operator who weighs the queue at 0.1
+    # everywhere keeps it (3,200) under KV pressure too: the rule lowers the weight, it never
+    # raises it.
     router = make_router(load_weight=0.1, idle_load_weight=0.1, time_cap=None)
-    context = system_prompt(7, 20_000)
-    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
-    views = [ReplicaView(name=n, pending_prefill_tokens=32_000 if n == holder else 1,
-                         kv_usage=0.85) for n in REPLICAS]
-    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    holder, d = second_turn(router, 32_000, 0.85)
     assert d.replica == holder and d.matched_blocks > 0
     # At the defaults' 0.5, the same 0.85 of KV used brings it to 0.25, and the turn leaves.
-    router = make_router(time_cap=None)
-    holder = router.route(router.request_from_text(chat_text(context, "first")), idle()).replica
-    views = [ReplicaView(name=n, pending_prefill_tokens=32_000 if n == holder else 1,
-                         kv_usage=0.85) for n in REPLICAS]
-    d = router.route(router.request_from_text(chat_text(context, "second")), views)
+    holder, d = second_turn(make_router(time_cap=None), 32_000, 0.85)
     assert d.replica != holder and d.matched_blocks == 0
 
 
