@@ -1,0 +1,391 @@
+"""Judge the routing on a trace it was not tuned on: every policy from moderate load to saturation.
+
+For each fleet size, the speedup at which the trace saturates the fleet is found first (even
+the better of prefix_affinity and the oracle then waits four times the co-batching bound on
+average, or ends the run with its last third's TTFT twice its first third's), then every
+policy runs at fractions of it, each cell one `python -m loadtests.simulate --trace FILE
+--replicas N --speedup S --policy all` (printed with the tables). prefix_affinity is judged
+against the targets: mean TTFT within 10% of the greedy oracle's (1.05 where the oracle is
+not near the co-batching bound), prefill imbalance by time at most 1.15.
+
+    python -m loadtests.held_out --trace my_trace.jsonl              # 8 and 32 replicas
+    python -m loadtests.held_out --trace my_trace.jsonl --replicas 8 --fractions 0.5,0.9
+    python -m loadtests.held_out --trace my_trace.jsonl --speedups 0.5,1,2   # by hand
+    python -m loadtests.held_out --trace my_trace.jsonl --max-ratio 1.10     # exit 1 past it
+
+The search starts where the trace's offered load would fill the fleet even with one infinite
+prefix cache shared by every replica (every request's uncached prefill and decode tokens at
+the profile's costs, over the trace's span): no router sustains more. With caches of finite
+size on separate replicas, queues grow well before that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from multiprocessing import Pool
+from typing import Any
+
+from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, describe, fleet_profiles
+from backends.sim.profiles import PROFILES, LatencyProfile, fastest
+from loadtests.settings import add_routing_settings
+from loadtests.simulate import (
+    ALL_POLICIES,
+    DEFAULT_ENGINE_BLOCK_TOKENS,
+    DEFAULT_KV_CAPACITY_TOKENS,
+    DEFAULT_MAX_OUTPUT,
+    DEFAULT_PROFILE,
+    Workload,
+    load_workload,
+    settings_for,
+    simulate,
+)
+
+POLICIES = ("prefix_affinity", "oracle", "sglang_cache_aware", "least_load", "round_robin")
+"""What the targets compare prefix_affinity with, and round_robin as the floor of routing."""
+
+DEFAULT_FRACTIONS = (0.3, 0.5, 0.7, 0.9)  # of the saturation speedup
+SEARCH_POLICIES = ("prefix_affinity", "oracle")
+BISECTIONS = 3  # halving a factor-2 bracket three times: within 9% of the speedup
+TARGET_RATIO = 1.10  # mean TTFT over the oracle's, in every cell short of saturation
+TIGHT_RATIO = 1.05  # the same, where the oracle is not near its bound
+NEAR_BOUND = 1.5  # the oracle within this of the co-batching bound counts as near it
+TIME_IMBALANCE = 1.15  # prefill imbalance by time
+GROWTH = 2.0  # last third's mean TTFT over the first third's, past which queues grew
+CLIFF = 4.0  # mean TTFT over the co-batching bound past which the queue is the TTFT
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One fleet at one speedup of the trace."""
+
+    replicas: int
+    speedup: float
+    fraction: float | None = None  # of the saturation speedup, when it was searched for
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every cell shares: the trace and the simulated fleet."""
+
+    trace: str
+    limit: int | None
+    fleet_args: tuple[str | None, str | None, str]  # --fleet, --slow, --profile
+    kv_capacity_tokens: int
+    settings: tuple[tuple[str, Any], ...]
+
+    def fleet(self, replicas: int) -> list[ReplicaProfile]:
+        fleet, slow, profile = self.fleet_args
+        return fleet_profiles(None if fleet else replicas, profile, fleet, slow)
+
+    def command(self, cell: Cell) -> str:
+        fleet, slow, profile = self.fleet_args
+        parts = ["python -m loadtests.simulate", f"--trace {self.trace}"]
+        parts += [f"--fleet {fleet}"] if fleet else [f"--replicas {cell.replicas}"]
+        parts += [f"--slow {slow}"] if slow else []
+        parts += [f"--profile {profile}"] if profile != DEFAULT_PROFILE else []
+        parts += [f"--limit {self.limit}"] if self.limit else []
+        parts += [f"--kv-capacity-tokens {self.kv_capacity_tokens}"] if (
+            self.kv_capacity_tokens != DEFAULT_KV_CAPACITY_TOKENS) else []
+        parts += [f"--speedup {cell.speedup:g}", "--policy all"]
+        parts += [f"--set {k}={v}" for k, v in self.settings]
+        return " ".join(parts)
+
+
+def work_seconds(workload: Workload, profile: LatencyProfile,
+                 block_tokens: int = DEFAULT_ENGINE_BLOCK_TOKENS,
+                 max_output: int = DEFAULT_MAX_OUTPUT) -> float:
+    """The engine time the workload needs at the least: every request's prefill of what one
+    infinite shared cache would not hold, and one decode share per output token, at
+    `profile`'s costs (the fixed cost of a step, shared by its batch, left out)."""
+    _, tokens = workload.engine_prompts(block_tokens)
+    cached = workload.ideal_cached_tokens(block_tokens)
+    total = 0.0
+    for req, prompt, hit in zip(workload.requests, tokens, cached, strict=True):
+        new = max(0, prompt - hit)
+        total += new / profile.prefill_tokens_per_s
+        total += profile.attention_s_per_token2 * new * (hit + new / 2)
+        total += min(max(1, req.output_tokens), max_output) * profile.decode_per_seq_s
+    return total
+
+
+def offered_load(workload: Workload, fleet: Sequence[ReplicaProfile]) -> float:
+    """The workload's offered load on `fleet` as it stands (module docstring): its least
+    engine time, over its span, over the fleet's capacity in replicas of the fastest."""
+    profiles = [r.build() for r in fleet]
+    ref = fastest(profiles)
+    capacity = sum(p.prefill_tokens_per_s / ref.prefill_tokens_per_s for p in profiles)
+    stamps = [r.timestamp_s for r in workload.requests]
+    span = max(stamps) - min(stamps) if stamps else 0.0
+    if span <= 0.0:
+        raise ValueError("the trace needs requests at two different times to have a load")
+    return work_seconds(workload, ref) / span / capacity
+
+
+def thirds(timeline: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Mean TTFT of the first and of the last third of the requests, in arrival order."""
+    n = len(timeline)
+    third = max(1, n // 3)
+    first = [ttft for _, ttft in timeline[:third]]
+    last = [ttft for _, ttft in timeline[n - third:]]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+_workloads: dict[tuple[str, int | None, float], Workload] = {}
+
+
+def _workload(trace: str, limit: int | None, speedup: float) -> Workload:
+    key = (trace, limit, speedup)
+    got = _workloads.get(key)
+    if got is None:
+        _workloads.clear()  # one at a time per process: they are large
+        got = _workloads[key] = load_workload(trace, limit=limit, speedup=speedup)
+    return got
+
+
+def _run(job: tuple[Options, Cell, str]) -> tuple[Cell, str, dict[str, Any], float]:
+    opts, cell, policy = job
+    workload = _workload(opts.trace, opts.limit, cell.speedup)
+    t0 = time.perf_counter()
+    report = simulate(workload, policy, settings=settings_for(policy, dict(opts.settings),
+                                                               strict=False),
+                      fleet=opts.fleet(cell.replicas), kv_capacity_tokens=opts.kv_capacity_tokens,
+                      timeline=True)
+    timeline = report.pop("timeline")
+    report["ttft_first_third_s"], report["ttft_last_third_s"] = (
+        thirds(timeline) if timeline else (0.0, 0.0))
+    return cell, policy, report, time.perf_counter() - t0
+
+
+def saturated(reports: dict[str, dict[str, Any]] | Sequence[dict[str, Any]]) -> bool:
+    """Whether the load is past saturation for every policy run: even the one with the
+    lowest mean TTFT waits `CLIFF` times the co-batching bound on average, or ends the run
+    with its last third's TTFT `GROWTH` times its first third's (and past `GROWTH` times the
+    bound). A greedy oracle saturating alone is not the load's fault, so one policy that
+    holds makes the cell short of saturation."""
+    runs = list(reports.values()) if isinstance(reports, dict) else list(reports)
+    best = min(runs, key=lambda r: r["ttft_mean_s"])
+    bound = best["ttft_bound_mean_s"]
+    first, last = best["ttft_first_third_s"], best["ttft_last_third_s"]
+    return best["ttft_mean_s"] > CLIFF * bound or (last > GROWTH * first
+                                                   and last > GROWTH * bound)
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.3f}" if base > 0 else "-"
+
+
+def find_saturation(past_at: Callable[[float], bool], start: float,
+                    ) -> tuple[float, float | None, list[tuple[float, bool]]]:
+    """The highest speedup found steady and the lowest found past saturation (None if none
+    was up to eight times `start`), by doubling or halving from `start` and then
+    `BISECTIONS` halvings of the bracket in log space; with every probe, in order."""
+    probes: list[tuple[float, bool]] = []
+
+    def probe(speedup: float) -> bool:
+        past = past_at(speedup)
+        probes.append((speedup, past))
+        return past
+
+    hi = start
+    past = probe(hi)
+    for _ in range(3):
+        if past:
+            break
+        hi *= 2
+        past = probe(hi)
+    if not past:
+        return hi, None, probes
+    lo = hi / 2
+    if len(probes) == 1:  # else hi / 2 was probed, steady, on the way up
+        for _ in range(8):
+            if not probe(lo):
+                break
+            hi, lo = lo, lo / 2
+        else:
+            return 0.0, hi, probes
+    for _ in range(BISECTIONS):
+        mid = math.sqrt(lo * hi)
+        if probe(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi, probes
+
+
+def saturation_speedup(lo: float, hi: float | None) -> float:
+    """The speedup the fractions are of: the bracket's geometric middle (or its steady end)."""
+    return math.sqrt(lo * hi) if hi is not None and lo > 0 else (lo or (hi or 0.0))
+
+
+def report_lines(opts: Options, cells: Sequence[Cell],
+                 results: dict[tuple[Cell, str], dict[str, Any]],
+                 policies: Sequence[str]) -> tuple[list[str], list[float]]:
+    """The markdown tables, and prefix_affinity's ratios to the oracle in the cells short of
+    saturation (what `--max-ratio` judges)."""
+    others = [p for p in policies if p not in ("prefix_affinity", "oracle")]
+    lines = ["| replicas | speedup | share of saturation | prefix_affinity TTFT s | / oracle | "
+             + "".join(f"/ {p} | " for p in others)
+             + "hit (ideal) | prefill time imb | oracle / co-batching bound | regime |",
+             "|---:|---:|---:|---:|---:|" + "---:|" * len(others) + "---:|---:|---:|---|"]
+    ratios: list[float] = []
+    flags: list[str] = []
+    for cell in cells:
+        reps = {p: results[(cell, p)] for p in policies}
+        pa, oracle = reps["prefix_affinity"], reps["oracle"]
+        past = saturated(reps)
+        ratio = pa["ttft_mean_s"] / oracle["ttft_mean_s"]
+        near = oracle["ttft_mean_s"] <= NEAR_BOUND * oracle["ttft_bound_mean_s"]
+        if not past:
+            ratios.append(ratio)
+            limit = TIGHT_RATIO if not near else TARGET_RATIO
+            if ratio > limit:
+                flags.append(f"{cell.replicas} replicas, speedup {cell.speedup:g}: "
+                             f"{ratio:.3f}x the oracle (target {limit:.2f})")
+            if pa["prefill_time_imbalance"] > TIME_IMBALANCE:
+                flags.append(f"{cell.replicas} replicas, speedup {cell.speedup:g}: prefill "
+                             f"imbalance by time {pa['prefill_time_imbalance']:.2f}")
+        bound = oracle["ttft_bound_mean_s"]
+        lines.append(
+            f"| {cell.replicas} | {cell.speedup:g} | "
+            f"{'-' if cell.fraction is None else f'{cell.fraction:g}'} | {pa['ttft_mean_s']:.3f} | "
+            f"{_ratio(pa['ttft_mean_s'], oracle['ttft_mean_s'])} | "
+            + "".join(f"{_ratio(pa['ttft_mean_s'], reps[p]['ttft_mean_s'])} | " for p in others)
+            + f"{pa['hit_ratio']:.3f} ({pa['ideal_hit_ratio']:.3f}) | "
+            f"{pa['prefill_time_imbalance']:.2f} | {_ratio(oracle['ttft_mean_s'], bound)} | "
+            + ("past saturation" if past else "short of saturation") + " |")
+    lines.append("")
+    steady = len(ratios)
+    if ratios:
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        lines.append(f"Short of saturation ({steady} of {len(cells)} cells): prefix_affinity "
+                     f"at {max(ratios):.3f}x the oracle at worst, {geo:.3f}x in geometric "
+                     f"mean.")
+    else:
+        lines.append("Every cell is past saturation.")
+    lines += ([f"Past a target: {'; '.join(flags)}."] if flags
+              else ["Every target met short of saturation." if ratios else ""])
+    return lines, ratios
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="Mooncake JSONL file or RAGPulse directory")
+    ap.add_argument("--replicas", default="8,32",
+                    help="fleet sizes, comma-separated (default 8,32; with --fleet, its own)")
+    ap.add_argument("--fleet", default=None, help=FLEET_HELP + "; instead of --replicas")
+    ap.add_argument("--slow", default=None, help=SLOW_HELP)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                    help="the replicas' latency profile, where --fleet gives none")
+    loads = ap.add_mutually_exclusive_group()
+    loads.add_argument("--fractions", default=None,
+                       help="fractions of the saturation speedup to judge at, comma-separated "
+                            "(default " + ",".join(f"{x:g}" for x in DEFAULT_FRACTIONS) + ")")
+    loads.add_argument("--speedups", default=None,
+                       help="speedups instead, comma-separated (no search for saturation)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="policies to run, comma-separated; prefix_affinity and oracle always")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests")
+    ap.add_argument("--kv-capacity-tokens", type=int, default=DEFAULT_KV_CAPACITY_TOKENS)
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--max-ratio", type=float, default=None,
+                    help="exit 1 if prefix_affinity's mean TTFT is past this times the "
+                         "oracle's in any cell short of saturation")
+    add_routing_settings(ap, note="; prefix_affinity's and the router's")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in str(args.replicas).split(",") if x]
+        chosen = ([float(x) for x in args.speedups.split(",") if x] if args.speedups else
+                  [float(x) for x in args.fractions.split(",") if x] if args.fractions else
+                  list(DEFAULT_FRACTIONS))
+    except ValueError:
+        ap.error("--replicas, --fractions and --speedups take comma-separated numbers")
+    if not sizes or min(sizes) < 1 or not chosen or min(chosen) <= 0:
+        ap.error("--replicas, --fractions and --speedups take positive numbers")
+    policies = ["prefix_affinity", "oracle"] + [
+        p for p in args.policies.split(",") if p and p not in ("prefix_affinity", "oracle")]
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}; choose from {list(ALL_POLICIES)}")
+    try:
+        for p in policies:
+            settings_for(p, dict(args.settings), strict=p == "prefix_affinity")
+    except ValueError as exc:
+        ap.error(str(exc))
+    opts = Options(args.trace, args.limit, (args.fleet, args.slow, args.profile),
+                   args.kv_capacity_tokens, tuple(args.settings))
+    try:
+        if args.fleet:
+            sizes = [len(opts.fleet(0))]
+        for n in sizes:
+            opts.fleet(n)
+    except ValueError as exc:
+        ap.error(str(exc))
+    base = load_workload(args.trace, limit=args.limit)
+    results: dict[tuple[Cell, str], dict[str, Any]] = {}
+    searches: list[str] = []
+    cells: list[Cell] = []
+    t0 = time.perf_counter()
+    with (Pool(args.jobs) if args.jobs > 1 else nullcontext()) as pool:
+        mapper = pool.imap if pool is not None else map
+
+        def run(batch: Sequence[tuple[Cell, str]]) -> None:
+            for cell, policy, report, wall in mapper(_run, [(opts, c, p) for c, p in batch]):
+                results[(cell, policy)] = report
+                print(f"# {cell.replicas} replicas, speedup {cell.speedup:g}, {policy}: TTFT "
+                      f"mean {report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr,
+                      flush=True)
+
+        for n in sizes:
+            if args.speedups:
+                cells += [Cell(n, x) for x in chosen]
+                continue
+            try:
+                start = 1.0 / offered_load(base, opts.fleet(n))
+            except ValueError as exc:
+                ap.error(str(exc))
+
+            def past_at(speedup: float, n: int = n) -> bool:
+                probe = Cell(n, round(speedup, 4))
+                run([(probe, p) for p in SEARCH_POLICIES])
+                return saturated([results[(probe, p)] for p in SEARCH_POLICIES])
+
+            lo, hi, probes = find_saturation(past_at, start)
+            top = saturation_speedup(lo, hi)
+            searches.append(
+                f"{n} replicas: saturation speedup {top:.3g} ("
+                + ("saturated at every speedup tried" if lo == 0.0 else
+                   f"not saturated up to {lo:.3g}" if hi is None else
+                   f"short of it at {lo:.3g}, past it at {hi:.3g}")
+                + "; probes " + ", ".join(f"{x:.3g} {'past' if g else 'short'}"
+                                          for x, g in probes) + ")")
+            cells += [Cell(n, round(f * top, 4), f) for f in chosen]
+        run([(c, p) for c in cells for p in policies])
+    first = results[(cells[0], "prefix_affinity")]
+    print(f"# {base.name}: {len(base.requests)} requests, fleet {describe(opts.fleet(sizes[0]))}"
+          f"{' (per size)' if len(sizes) > 1 else ''}, KV {args.kv_capacity_tokens:,} tokens "
+          f"per replica, ideal hit ratio {first['ideal_hit_ratio']:.3f}; "
+          f"`python -m loadtests.held_out {' '.join(argv if argv is not None else sys.argv[1:])}`"
+          f" ({time.perf_counter() - t0:.0f} s)\n")
+    if searches:
+        print(f"Saturation: the better of prefix_affinity and the oracle waits {CLIFF:g} times "
+              f"the co-batching bound on average, or ends the run with its last third's TTFT "
+              f"{GROWTH:g} times its first third's:\n")
+        print("\n".join(f"- {line}" for line in searches) + "\n")
+    lines, ratios = report_lines(opts, cells, results, policies)
+    print("\n".join(lines))
+    print("\nCell commands:\n")
+    for cell in cells:
+        print(f"- {cell.replicas} replicas, speedup {cell.speedup:g}: `{opts.command(cell)}`")
+    if args.max_ratio is not None and any(r > args.max_ratio for r in ratios):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
