@@ -33,7 +33,7 @@ from typing import Any
 
 from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, describe, fleet_profiles
 from backends.sim.profiles import PROFILES, LatencyProfile, fastest
-from loadtests.settings import add_routing_settings
+from loadtests.settings import add_routing_settings, settings_text
 from loadtests.simulate import (
     ALL_POLICIES,
     DEFAULT_ENGINE_BLOCK_TOKENS,
@@ -93,7 +93,8 @@ class Options:
         parts += [f"--kv-capacity-tokens {self.kv_capacity_tokens}"] if (
             self.kv_capacity_tokens != DEFAULT_KV_CAPACITY_TOKENS) else []
         parts += [f"--speedup {cell.speedup:g}", "--policy all"]
-        parts += [f"--set {k}={v}" for k, v in self.settings]
+        parts += [f"--set {setting}" for setting in settings_text(self.settings, " ").split(" ")
+                  if self.settings]
         return " ".join(parts)
 
 
@@ -162,14 +163,14 @@ def _run(job: tuple[Options, Cell, str]) -> tuple[Cell, str, dict[str, Any], flo
     return cell, policy, report, time.perf_counter() - t0
 
 
-def saturated(reports: dict[str, dict[str, Any]] | Sequence[dict[str, Any]]) -> bool:
-    """Whether the load is past saturation for every policy run: even the one with the
-    lowest mean TTFT waits `CLIFF` times the co-batching bound on average, or ends the run
-    with its last third's TTFT `GROWTH` times its first third's (and past `GROWTH` times the
-    bound). A greedy oracle saturating alone is not the load's fault, so one policy that
-    holds makes the cell short of saturation."""
-    runs = list(reports.values()) if isinstance(reports, dict) else list(reports)
-    best = min(runs, key=lambda r: r["ttft_mean_s"])
+def saturated(reports: Sequence[dict[str, Any]]) -> bool:
+    """Whether the load is past saturation for every policy in `reports` (prefix_affinity's
+    and the oracle's, `SEARCH_POLICIES`): even the one with the lowest mean TTFT waits
+    `CLIFF` times the co-batching bound on average, or ends the run with its last third's
+    TTFT `GROWTH` times its first third's (and past `GROWTH` times the bound). A greedy
+    oracle saturating alone is not the load's fault, so a prefix_affinity that holds makes
+    the cell short of saturation."""
+    best = min(reports, key=lambda r: r["ttft_mean_s"])
     bound = best["ttft_bound_mean_s"]
     first, last = best["ttft_first_third_s"], best["ttft_last_third_s"]
     return best["ttft_mean_s"] > CLIFF * bound or (last > GROWTH * first
@@ -238,7 +239,7 @@ def report_lines(opts: Options, cells: Sequence[Cell],
     for cell in cells:
         reps = {p: results[(cell, p)] for p in policies}
         pa, oracle = reps["prefix_affinity"], reps["oracle"]
-        past = saturated(reps)
+        past = saturated([reps[p] for p in SEARCH_POLICIES])
         ratio = pa["ttft_mean_s"] / oracle["ttft_mean_s"]
         near = oracle["ttft_mean_s"] <= NEAR_BOUND * oracle["ttft_bound_mean_s"]
         if not past:

@@ -1,4 +1,4 @@
-"""loadtests.held_out: the saturation search, its verdicts and the one-command judgement of a trace."""
+"""loadtests.held_out: the saturation search, the verdicts, and a trace judged in one command."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from backends.sim.fleet_spec import fleet_profiles
 from backends.sim.profiles import PROFILES
 from loadtests.held_out import (
     CLIFF,
+    Cell,
+    Options,
     find_saturation,
     main,
     offered_load,
+    report_lines,
     saturated,
     saturation_speedup,
     work_seconds,
@@ -72,10 +75,51 @@ def test_a_load_is_past_saturation_only_if_the_best_policy_is() -> None:
     assert saturated([growing])
     assert saturated([swamped])
     # A greedy oracle that saturates alone does not make the load saturated.
-    assert not saturated({"oracle": growing, "prefix_affinity": steady})
-    assert saturated({"oracle": growing, "prefix_affinity": swamped})
+    assert not saturated([growing, steady])
+    assert saturated([growing, swamped])
     # Growth near the bound is noise: the last third must also be well past it.
     assert not saturated([_report(0.5, 0.4, 1.2, bound=1.0)])
+
+
+def _cell_reports(pa: float, oracle: float, bound: float, imbalance: float = 1.0,
+                  ) -> dict[str, dict[str, float]]:
+    def one(mean: float) -> dict[str, float]:
+        return {**_report(mean, mean, mean, bound), "prefill_time_imbalance": imbalance,
+                "hit_ratio": 0.5, "ideal_hit_ratio": 0.6}
+    return {"prefix_affinity": one(pa), "oracle": one(oracle)}
+
+
+def test_the_verdict_asks_1_05_where_the_oracle_is_far_from_its_bound_and_1_10_near_it() -> None:
+    opts = Options("t.jsonl", None, (None, None, "qwen-32b-h200"), 512_000, ())
+    cases = {  # speedup: (prefix_affinity, oracle, bound, imbalance)
+        1.0: (1.08, 1.0, 0.9, 1.0),  # oracle near its bound: within 1.10, met
+        2.0: (1.08, 1.0, 0.5, 1.0),  # oracle twice its bound: past 1.05
+        3.0: (1.0, 1.0, 0.9, 1.2),  # imbalance by time past 1.15
+        4.0: (9.0, 8.0, 1.0, 1.5),  # past saturation (8x the bound): not judged
+    }
+    cells = [Cell(8, s) for s in cases]
+    results = {(cell, p): r for cell in cells
+               for p, r in _cell_reports(*cases[cell.speedup]).items()}
+    lines, ratios = report_lines(opts, cells, results, ["prefix_affinity", "oracle"])
+    text = "\n".join(lines)
+    assert ratios == pytest.approx([1.08, 1.08, 1.0])
+    assert "speedup 2: 1.080x the oracle (target 1.05)" in text
+    assert "speedup 1:" not in text
+    assert "speedup 3: prefill imbalance by time 1.20" in text
+    assert "speedup 4" not in text
+    assert "Short of saturation (3 of 4 cells)" in text
+    rows = [line for line in lines if line.startswith("| 8 |")]
+    assert [row.split("|")[-2].strip() for row in rows] == [
+        "short of saturation"] * 3 + ["past saturation"]
+
+
+def test_a_cells_command_spells_settings_as_simulate_reads_them() -> None:
+    opts = Options("t.jsonl", 100, (None, "1:3", "llama-8b-h200"), 100_000,
+                   (("time_cap", None), ("wait_first", True), ("policy", "prefix_affinity")))
+    assert opts.command(Cell(8, 1.25)) == (
+        "python -m loadtests.simulate --trace t.jsonl --replicas 8 --slow 1:3 --profile "
+        "llama-8b-h200 --limit 100 --kv-capacity-tokens 100000 --speedup 1.25 --policy all "
+        "--set time_cap=null --set wait_first=true --set policy=prefix_affinity")
 
 
 def _workload(rows: list[tuple[float, int, int, tuple[int, ...]]]) -> Workload:
