@@ -83,16 +83,19 @@ class Options:
         fleet, slow, profile = self.fleet_args
         return fleet_profiles(None if fleet else replicas, profile, fleet, slow)
 
-    def command(self, cell: Cell) -> str:
+    def command(self, cell: Cell, tool: str = "simulate") -> str:
+        """The cell as one `simulate` command (every policy), or `replay`'s (over HTTP,
+        prefix_affinity on simulated replicas of the same profile)."""
         fleet, slow, profile = self.fleet_args
-        parts = ["python -m loadtests.simulate", f"--trace {self.trace}"]
+        parts = [f"python -m loadtests.{tool}", f"--trace {self.trace}"]
         parts += [f"--fleet {fleet}"] if fleet else [f"--replicas {cell.replicas}"]
         parts += [f"--slow {slow}"] if slow else []
-        parts += [f"--profile {profile}"] if profile != DEFAULT_PROFILE else []
+        # replay's default profile is the 8B's: named whenever it is not the simulator's.
+        parts += [f"--profile {profile}"] if profile != DEFAULT_PROFILE or tool == "replay" else []
         parts += [f"--limit {self.limit}"] if self.limit else []
         parts += [f"--kv-capacity-tokens {self.kv_capacity_tokens}"] if (
             self.kv_capacity_tokens != DEFAULT_KV_CAPACITY_TOKENS) else []
-        parts += [f"--speedup {cell.speedup:g}", "--policy all"]
+        parts += [f"--speedup {cell.speedup:g}"] + (["--policy all"] if tool == "simulate" else [])
         parts += [f"--set {setting}" for setting in settings_text(self.settings, " ").split(" ")
                   if self.settings]
         return " ".join(parts)
@@ -380,9 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(f"- {line}" for line in searches) + "\n")
     lines, ratios = report_lines(opts, cells, results, policies)
     print("\n".join(lines))
-    print("\nCell commands:\n")
+    print("\nCell commands (and the same cell over HTTP, prefix_affinity alone):\n")
     for cell in cells:
-        print(f"- {cell.replicas} replicas, speedup {cell.speedup:g}: `{opts.command(cell)}`")
+        print(f"- {cell.replicas} replicas, speedup {cell.speedup:g}: `{opts.command(cell)}`; "
+              f"`{opts.command(cell, 'replay')}`")
     if args.max_ratio is not None and any(r > args.max_ratio for r in ratios):
         return 1
     return 0

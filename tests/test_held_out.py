@@ -120,6 +120,10 @@ def test_a_cells_command_spells_settings_as_simulate_reads_them() -> None:
         "python -m loadtests.simulate --trace t.jsonl --replicas 8 --slow 1:3 --profile "
         "llama-8b-h200 --limit 100 --kv-capacity-tokens 100000 --speedup 1.25 --policy all "
         "--set time_cap=null --set wait_first=true --set policy=prefix_affinity")
+    # Over HTTP: replay's default profile is another, so the simulator's is named.
+    assert Options("t.jsonl", None, (None, None, "qwen-32b-h200"), 512_000, ()).command(
+        Cell(32, 2.0), "replay") == ("python -m loadtests.replay --trace t.jsonl --replicas 32 "
+                                     "--profile qwen-32b-h200 --speedup 2")
 
 
 def _workload(rows: list[tuple[float, int, int, tuple[int, ...]]]) -> Workload:
@@ -190,7 +194,8 @@ def test_the_cli_finds_saturation_and_judges_prefix_affinity_short_of_it(
     # Each cell is a simulate command a reader can run.
     for s in speedups:
         assert (f"`python -m loadtests.simulate --trace {trace} --replicas 2 --speedup {s:g} "
-                f"--policy all`") in out
+                f"--policy all`; `python -m loadtests.replay --trace {trace} --replicas 2 "
+                f"--profile qwen-32b-h200 --speedup {s:g}`") in out
 
 
 def test_the_cli_exits_1_past_the_ratio_asked_for(
