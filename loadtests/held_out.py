@@ -330,7 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             opts.fleet(n)
     except ValueError as exc:
         ap.error(str(exc))
-    base = load_workload(args.trace, limit=args.limit)
+    try:
+        base = load_workload(args.trace, limit=args.limit)
+    except (OSError, ValueError) as exc:
+        ap.error(f"cannot read the trace: {exc}")
+    if not base.requests:
+        ap.error("the trace has no requests")
     results: dict[tuple[Cell, str], dict[str, Any]] = {}
     searches: list[str] = []
     cells: list[Cell] = []

@@ -222,3 +222,15 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--trace", str(trace), "--jobs", "1", *bad])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("content", ["", "not json\n"])
+def test_a_trace_it_cannot_judge_is_a_usage_error(tmp_path: Path, content: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(content)
+    for path in (trace, tmp_path / "missing.jsonl"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--trace", str(path), "--jobs", "1", "--speedups", "1"])
+        assert exc.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
