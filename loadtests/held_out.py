@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing import Pool
 from typing import Any
 
@@ -277,6 +278,40 @@ def report_lines(opts: Options, cells: Sequence[Cell],
     return lines, ratios
 
 
+class Runner:
+    """Runs policies on cells (in `jobs` worker processes, or in this one for 1), keeping
+    every report by (cell, policy) and telling each on stderr as it ends."""
+
+    def __init__(self, opts: Options, mapper: Callable[..., Any]) -> None:
+        self.opts = opts
+        self.mapper = mapper
+        self.results: dict[tuple[Cell, str], dict[str, Any]] = {}
+
+    def run(self, batch: Sequence[tuple[Cell, str]]) -> None:
+        for cell, policy, report, wall in self.mapper(
+                _run, [(self.opts, c, p) for c, p in batch]):
+            self.results[(cell, policy)] = report
+            print(f"# {cell.replicas} replicas, speedup {cell.speedup:g}, {policy}: TTFT mean "
+                  f"{report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr, flush=True)
+
+    def past_at(self, replicas: int, speedup: float) -> bool:
+        """Whether `speedup` is past saturation on `replicas` (`saturated`)."""
+        probe = Cell(replicas, round(speedup, 4))
+        self.run([(probe, p) for p in SEARCH_POLICIES])
+        return saturated([self.results[(probe, p)] for p in SEARCH_POLICIES])
+
+
+def search_line(replicas: int, lo: float, hi: float | None,
+                probes: Sequence[tuple[float, bool]]) -> str:
+    """What the search for `replicas` found, for the reader."""
+    found = ("saturated at every speedup tried" if lo == 0.0 else
+             f"not saturated up to {lo:.3g}" if hi is None else
+             f"short of it at {lo:.3g}, past it at {hi:.3g}")
+    tried = ", ".join(f"{x:.3g} {'past' if past else 'short'}" for x, past in probes)
+    return (f"{replicas} replicas: saturation speedup {saturation_speedup(lo, hi):.3g} "
+            f"({found}; probes {tried})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True, help="Mooncake JSONL file or RAGPulse directory")
@@ -336,20 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"cannot read the trace: {exc}")
     if not base.requests:
         ap.error("the trace has no requests")
-    results: dict[tuple[Cell, str], dict[str, Any]] = {}
     searches: list[str] = []
     cells: list[Cell] = []
     t0 = time.perf_counter()
     with (Pool(args.jobs) if args.jobs > 1 else nullcontext()) as pool:
-        mapper = pool.imap if pool is not None else map
-
-        def run(batch: Sequence[tuple[Cell, str]]) -> None:
-            for cell, policy, report, wall in mapper(_run, [(opts, c, p) for c, p in batch]):
-                results[(cell, policy)] = report
-                print(f"# {cell.replicas} replicas, speedup {cell.speedup:g}, {policy}: TTFT "
-                      f"mean {report['ttft_mean_s']:.3f} s ({wall:.1f} s)", file=sys.stderr,
-                      flush=True)
-
+        runner = Runner(opts, pool.imap if pool is not None else map)
         for n in sizes:
             if args.speedups:
                 cells += [Cell(n, x) for x in chosen]
@@ -358,23 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start = 1.0 / offered_load(base, opts.fleet(n))
             except ValueError as exc:
                 ap.error(str(exc))
-
-            def past_at(speedup: float, n: int = n) -> bool:
-                probe = Cell(n, round(speedup, 4))
-                run([(probe, p) for p in SEARCH_POLICIES])
-                return saturated([results[(probe, p)] for p in SEARCH_POLICIES])
-
-            lo, hi, probes = find_saturation(past_at, start)
-            top = saturation_speedup(lo, hi)
-            searches.append(
-                f"{n} replicas: saturation speedup {top:.3g} ("
-                + ("saturated at every speedup tried" if lo == 0.0 else
-                   f"not saturated up to {lo:.3g}" if hi is None else
-                   f"short of it at {lo:.3g}, past it at {hi:.3g}")
-                + "; probes " + ", ".join(f"{x:.3g} {'past' if g else 'short'}"
-                                          for x, g in probes) + ")")
-            cells += [Cell(n, round(f * top, 4), f) for f in chosen]
-        run([(c, p) for c in cells for p in policies])
+            lo, hi, probes = find_saturation(partial(runner.past_at, n), start)
+            searches.append(search_line(n, lo, hi, probes))
+            cells += [Cell(n, round(f * saturation_speedup(lo, hi), 4), f) for f in chosen]
+        runner.run([(c, p) for c in cells for p in policies])
+    results = runner.results
     first = results[(cells[0], "prefix_affinity")]
     print(f"# {base.name}: {len(base.requests)} requests, fleet {describe(opts.fleet(sizes[0]))}"
           f"{' (per size)' if len(sizes) > 1 else ''}, KV {args.kv_capacity_tokens:,} tokens "

@@ -234,3 +234,17 @@ def test_a_trace_it_cannot_judge_is_a_usage_error(tmp_path: Path, content: str,
             main(["--trace", str(path), "--jobs", "1", "--speedups", "1"])
         assert exc.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_worker_processes_give_the_figures_one_process_gives(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace(tmp_path / "unseen.jsonl", n=60)
+    args = ["--trace", str(trace), "--replicas", "2", "--fractions", "0.5",
+            "--policies", "prefix_affinity,oracle"]
+    tables = []
+    for jobs in ("1", "2"):
+        assert main([*args, "--jobs", jobs]) == 0
+        out = capsys.readouterr().out
+        tables.append([line for line in out.splitlines()
+                       if line.startswith("- 2 replicas:") or line.startswith("| 2 |")])
+    assert tables[0] and tables[0] == tables[1]
