@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -97,8 +98,7 @@ class Options:
         parts += [f"--kv-capacity-tokens {self.kv_capacity_tokens}"] if (
             self.kv_capacity_tokens != DEFAULT_KV_CAPACITY_TOKENS) else []
         parts += [f"--speedup {cell.speedup:g}"] + (["--policy all"] if tool == "simulate" else [])
-        parts += [f"--set {setting}" for setting in settings_text(self.settings, " ").split(" ")
-                  if self.settings]
+        parts += [f"--set {settings_text([setting])}" for setting in self.settings]
         return " ".join(parts)
 
 
@@ -112,9 +112,7 @@ def work_seconds(workload: Workload, profile: LatencyProfile,
     cached = workload.ideal_cached_tokens(block_tokens)
     total = 0.0
     for req, prompt, hit in zip(workload.requests, tokens, cached, strict=True):
-        new = max(0, prompt - hit)
-        total += new / profile.prefill_tokens_per_s
-        total += profile.attention_s_per_token2 * new * (hit + new / 2)
+        total += profile.prefill_chunk_s(max(0, prompt - hit), hit)
         total += min(max(1, req.output_tokens), max_output) * profile.decode_per_seq_s
     return total
 
@@ -225,7 +223,9 @@ def find_saturation(past_at: Callable[[float], bool], start: float,
 
 def saturation_speedup(lo: float, hi: float | None) -> float:
     """The speedup the fractions are of: the bracket's geometric middle (or its steady end)."""
-    return math.sqrt(lo * hi) if hi is not None and lo > 0 else (lo or (hi or 0.0))
+    if hi is None:
+        return lo
+    return math.sqrt(lo * hi) if lo > 0 else hi
 
 
 def report_lines(opts: Options, cells: Sequence[Cell],
@@ -245,17 +245,16 @@ def report_lines(opts: Options, cells: Sequence[Cell],
         pa, oracle = reps["prefix_affinity"], reps["oracle"]
         past = saturated([reps[p] for p in SEARCH_POLICIES])
         ratio = pa["ttft_mean_s"] / oracle["ttft_mean_s"]
-        near = oracle["ttft_mean_s"] <= NEAR_BOUND * oracle["ttft_bound_mean_s"]
+        bound = oracle["ttft_bound_mean_s"]
         if not past:
             ratios.append(ratio)
-            limit = TIGHT_RATIO if not near else TARGET_RATIO
+            limit = TARGET_RATIO if oracle["ttft_mean_s"] <= NEAR_BOUND * bound else TIGHT_RATIO
             if ratio > limit:
                 flags.append(f"{cell.replicas} replicas, speedup {cell.speedup:g}: "
                              f"{ratio:.3f}x the oracle (target {limit:.2f})")
             if pa["prefill_time_imbalance"] > TIME_IMBALANCE:
                 flags.append(f"{cell.replicas} replicas, speedup {cell.speedup:g}: prefill "
                              f"imbalance by time {pa['prefill_time_imbalance']:.2f}")
-        bound = oracle["ttft_bound_mean_s"]
         lines.append(
             f"| {cell.replicas} | {cell.speedup:g} | "
             f"{'-' if cell.fraction is None else f'{cell.fraction:g}'} | {pa['ttft_mean_s']:.3f} | "
@@ -267,7 +266,7 @@ def report_lines(opts: Options, cells: Sequence[Cell],
     lines.append("")
     steady = len(ratios)
     if ratios:
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        geo = statistics.geometric_mean(ratios)
         lines.append(f"Short of saturation ({steady} of {len(cells)} cells): prefix_affinity "
                      f"at {max(ratios):.3f}x the oracle at worst, {geo:.3f}x in geometric "
                      f"mean.")

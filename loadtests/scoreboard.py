@@ -14,7 +14,7 @@ in docs/routing.md comes from a committed command:
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -436,7 +436,7 @@ def _sweep_summary(chosen: Sequence[Scenario], names: Sequence[str],
             over_ll = sum(1 for sc in scs if not sc.pressure and res[(sc, n)]["ttft_mean_s"]
                           > 1.05 * res[(sc, "least_load")]["ttft_mean_s"])
             imb = sum(1 for sc in scs if res[(sc, n)]["prefill_time_imbalance"] > 1.15)
-            geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            geo = statistics.geometric_mean(ratios)
             print(f"| {n} | {which} | {len(scs)} | {sum(1 for r in ratios if r > 1.05)} | "
                   f"{over_ll} | {imb} | {max(ratios):.3f} | {geo:.3f} |")
 
