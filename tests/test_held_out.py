@@ -11,12 +11,16 @@ import pytest
 
 from backends.sim.fleet_spec import fleet_profiles
 from backends.sim.profiles import PROFILES
+from loadtests import held_out
 from loadtests.held_out import (
     CLIFF,
+    NEIGHBOURS,
     Cell,
     Options,
     find_saturation,
     main,
+    neighbour_lines,
+    neighbours_of,
     offered_load,
     report_lines,
     saturated,
@@ -111,6 +115,28 @@ def test_the_verdict_asks_1_05_where_the_oracle_is_far_from_its_bound_and_1_10_n
     rows = [line for line in lines if line.startswith("| 8 |")]
     assert [row.split("|")[-2].strip() for row in rows] == [
         "short of saturation"] * 3 + ["past saturation"]
+
+
+def test_neighbours_tell_a_miss_that_holds_from_one_that_comes_and_goes() -> None:
+    holds, draw = Cell(8, 1.0), Cell(32, 2.0)
+    assert [c.speedup for c in neighbours_of(draw)] == [2.0 * f for f in NEIGHBOURS]
+    results = {}
+    for near in neighbours_of(holds):  # 1.08x an oracle twice its bound: past 1.05 at each
+        results.update({(near, p): r for p, r in _cell_reports(1.08, 1.0, 0.5).items()})
+    for i, near in enumerate(neighbours_of(draw)):  # past the imbalance at one of four
+        results.update({(near, p): r for p, r in _cell_reports(
+            1.0, 1.0, 0.9, imbalance=1.2 if i == 2 else 1.1).items()})
+    lines = neighbour_lines([holds, draw], results)
+    text = "\n".join(lines)
+    assert "- 8 replicas, speedup 1: past a target at 4 of its 4 neighbours." in text
+    assert "- 32 replicas, speedup 2: past a target at 1 of its 4 neighbours." in text
+    assert ("At the 8 neighbours short of saturation: past a target at 5; prefix_affinity "
+            "at 1.080x the oracle at worst, 1.039x in geometric mean.") in text
+    rows = [line for line in lines if line.startswith("| 32 |")]
+    assert [row.split("|")[-2].strip() for row in rows] == [
+        "none", "none", "prefill imbalance by time 1.20", "none"]
+    assert all(line.endswith("1.080x the oracle (target 1.05) |")
+               for line in lines if line.startswith("| 8 |"))
 
 
 def test_a_cells_command_spells_settings_as_simulate_reads_them() -> None:
@@ -210,6 +236,31 @@ def test_the_cli_exits_1_past_the_ratio_asked_for(
     assert "Saturation:" not in out  # speedups given: no search
     ratios = [float(r[4]) for r in rows]
     assert main([*args, "--max-ratio", str(min(ratios) * 0.99)]) == 1
+
+
+def test_the_cli_runs_each_cell_short_of_saturation_again_at_its_neighbours(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    trace = _trace(tmp_path / "unseen.jsonl", n=60)
+    args = ["--trace", str(trace), "--replicas", "2", "--speedups", "1",
+            "--policies", "prefix_affinity,oracle", "--jobs", "1"]
+    assert main(args) == 0
+    assert "neighbouring speedups" not in capsys.readouterr().out  # not asked for
+    assert main([*args, "--neighbours"]) == 0
+    _, after = capsys.readouterr().out.split("again at neighbouring speedups")
+    rows = _rows(after)
+    assert [(r[0], float(r[1]), float(r[2])) for r in rows] == [
+        ("2", pytest.approx(f), f) for f in NEIGHBOURS]
+    assert all(r[-1] == "none" for r in rows)  # a small, light trace: every target met
+    assert "- 2 replicas, speedup 1: past a target at 0 of its 4 neighbours." in after
+    # An imbalance target below 1, which every cell misses.
+    monkeypatch.setattr(held_out, "TIME_IMBALANCE", 0.99)
+    assert main([*args, "--neighbours"]) == 0
+    out = capsys.readouterr().out
+    assert "Past a target: 2 replicas, speedup 1: prefill imbalance by time" in out
+    rows = _rows(out.split("again at neighbouring speedups")[1])
+    assert all(r[-1].startswith("prefill imbalance by time") for r in rows)
+    assert "- 2 replicas, speedup 1: past a target at 4 of its 4 neighbours." in out
 
 
 @pytest.mark.parametrize("bad", [
