@@ -243,7 +243,7 @@ def misses(reps: dict[str, dict[str, Any]]) -> list[str]:
     if ratio > limit:
         missed.append(f"{ratio:.3f}x the oracle (target {limit:.2f})")
     if pa["prefill_time_imbalance"] > TIME_IMBALANCE:
-        missed.append(f"prefill imbalance by time {pa['prefill_time_imbalance']:.2f}")
+        missed.append(f"prefill imbalance by time {pa['prefill_time_imbalance']:.3f}")
     return missed
 
 

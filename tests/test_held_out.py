@@ -109,7 +109,7 @@ def test_the_verdict_asks_1_05_where_the_oracle_is_far_from_its_bound_and_1_10_n
     assert ratios == pytest.approx([1.08, 1.08, 1.0])
     assert "speedup 2: 1.080x the oracle (target 1.05)" in text
     assert "speedup 1:" not in text
-    assert "speedup 3: prefill imbalance by time 1.20" in text
+    assert "speedup 3: prefill imbalance by time 1.200" in text
     assert "speedup 4" not in text
     assert "Short of saturation (3 of 4 cells)" in text
     rows = [line for line in lines if line.startswith("| 8 |")]
@@ -134,7 +134,7 @@ def test_neighbours_tell_a_miss_that_holds_from_one_that_comes_and_goes() -> Non
             "at 1.080x the oracle at worst, 1.039x in geometric mean.") in text
     rows = [line for line in lines if line.startswith("| 32 |")]
     assert [row.split("|")[-2].strip() for row in rows] == [
-        "none", "none", "prefill imbalance by time 1.20", "none"]
+        "none", "none", "prefill imbalance by time 1.200", "none"]
     assert all(line.endswith("1.080x the oracle (target 1.05) |")
                for line in lines if line.startswith("| 8 |"))
 
