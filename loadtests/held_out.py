@@ -32,7 +32,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing import Pool
-from typing import Any
+from typing import Any, NamedTuple
 
 from backends.sim.fleet_spec import FLEET_HELP, SLOW_HELP, ReplicaProfile, describe, fleet_profiles
 from backends.sim.profiles import PROFILES, LatencyProfile, fastest
@@ -230,21 +230,29 @@ def saturation_speedup(lo: float, hi: float | None) -> float:
     return math.sqrt(lo * hi) if lo > 0 else hi
 
 
-def misses(reps: dict[str, dict[str, Any]]) -> list[str]:
-    """The targets prefix_affinity misses in one cell (its reports by policy), each as the
-    reader is told it; none past saturation, where no target is judged."""
+class Verdict(NamedTuple):
+    """prefix_affinity judged in one cell."""
+
+    past: bool  # past saturation: no target is judged
+    ratio: float  # mean TTFT over the oracle's
+    missed: list[str]  # the targets missed, each as the reader is told it
+
+
+def judge(reps: dict[str, dict[str, Any]]) -> Verdict:
+    """The verdict on one cell, from its reports by policy (prefix_affinity and the oracle
+    at least)."""
     pa, oracle = reps["prefix_affinity"], reps["oracle"]
-    if saturated([reps[p] for p in SEARCH_POLICIES]):
-        return []
-    missed = []
     ratio = pa["ttft_mean_s"] / oracle["ttft_mean_s"]
+    if saturated([reps[p] for p in SEARCH_POLICIES]):
+        return Verdict(True, ratio, [])
+    missed = []
     limit = (TARGET_RATIO if oracle["ttft_mean_s"] <= NEAR_BOUND * oracle["ttft_bound_mean_s"]
              else TIGHT_RATIO)
     if ratio > limit:
         missed.append(f"{ratio:.3f}x the oracle (target {limit:.2f})")
     if pa["prefill_time_imbalance"] > TIME_IMBALANCE:
         missed.append(f"prefill imbalance by time {pa['prefill_time_imbalance']:.3f}")
-    return missed
+    return Verdict(False, ratio, missed)
 
 
 def neighbours_of(cell: Cell) -> list[Cell]:
@@ -265,18 +273,15 @@ def neighbour_lines(judged: Sequence[Cell], results: dict[tuple[Cell, str], dict
     for cell in judged:
         held = 0
         for near, factor in zip(neighbours_of(cell), NEIGHBOURS, strict=True):
-            reps = {p: results[(near, p)] for p in SEARCH_POLICIES}
-            pa, oracle = reps["prefix_affinity"], reps["oracle"]
-            missed = misses(reps)
+            pa = results[(near, "prefix_affinity")]
+            past, ratio, missed = judge({p: results[(near, p)] for p in SEARCH_POLICIES})
             held += bool(missed)
-            past = saturated(list(reps.values()))
             if not past:
-                ratios.append(pa["ttft_mean_s"] / oracle["ttft_mean_s"])
-            verdict = "past saturation" if past else "; ".join(missed) if missed else "none"
+                ratios.append(ratio)
+            told = "past saturation" if past else "; ".join(missed) if missed else "none"
             lines.append(f"| {cell.replicas} | {near.speedup:g} | {factor:g} | "
-                         f"{pa['ttft_mean_s']:.3f} | "
-                         f"{_ratio(pa['ttft_mean_s'], oracle['ttft_mean_s'])} | "
-                         f"{pa['prefill_time_imbalance']:.2f} | {verdict} |")
+                         f"{pa['ttft_mean_s']:.3f} | {ratio:.3f} | "
+                         f"{pa['prefill_time_imbalance']:.2f} | {told} |")
         summary.append(f"- {cell.replicas} replicas, speedup {cell.speedup:g}: past a target at "
                        f"{held} of its {len(NEIGHBOURS)} neighbours.")
         missing += held
@@ -302,12 +307,12 @@ def report_lines(opts: Options, cells: Sequence[Cell],
     for cell in cells:
         reps = {p: results[(cell, p)] for p in policies}
         pa, oracle = reps["prefix_affinity"], reps["oracle"]
-        past = saturated([reps[p] for p in SEARCH_POLICIES])
+        past, ratio, missed = judge(reps)
         bound = oracle["ttft_bound_mean_s"]
         if not past:
-            ratios.append(pa["ttft_mean_s"] / oracle["ttft_mean_s"])
-            flags += [f"{cell.replicas} replicas, speedup {cell.speedup:g}: {missed}"
-                      for missed in misses(reps)]
+            ratios.append(ratio)
+            flags += [f"{cell.replicas} replicas, speedup {cell.speedup:g}: {miss}"
+                      for miss in missed]
         lines.append(
             f"| {cell.replicas} | {cell.speedup:g} | "
             f"{'-' if cell.fraction is None else f'{cell.fraction:g}'} | {pa['ttft_mean_s']:.3f} | "
@@ -446,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells += [Cell(n, round(f * saturation_speedup(lo, hi), 4), f) for f in chosen]
         runner.run([(c, p) for c in cells for p in policies])
         judged = [c for c in cells if args.neighbours
-                  and not saturated([runner.results[(c, p)] for p in SEARCH_POLICIES])]
+                  and not judge({p: runner.results[(c, p)] for p in SEARCH_POLICIES}).past]
         runner.run([(near, p) for c in judged for near in neighbours_of(c)
                     for p in SEARCH_POLICIES])
     results = runner.results
