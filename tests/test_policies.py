@@ -503,6 +503,33 @@ def test_on_an_idle_pool_the_cap_still_moves_a_shorter_held_context() -> None:
     assert turns_of_a_long_context(capped(1.15), z_queued=0.0, context_chars=64_000)["y"] > 0
 
 
+def turns_on_a_busy_pool(policy: Policy, window: str) -> str:
+    """After a window of twelve cold 50k-token prompts sent to the replicas named in
+    `window`, in order: where five requests on a 40k-token context that "x" holds go, while
+    "z" has prefill queued (the pool is not idle) and "y" is idle."""
+    router = Router(["x", "y", "z"], policy, block_chars=128)
+    fill_the_window(router, prompt_chars=200_000, targets=window)
+    context = "c" * 160_000
+    router.record("x", router.request_from_text(context).hashes)
+    views = [ReplicaView(name="x"), ReplicaView(name="y"),
+             ReplicaView(name="z", pending_prefill_tokens=5000.0)]
+    return "".join(router.route(router.request_from_text(context + f"{i:04d}" * 256),
+                                views).replica for i in range(5))
+
+
+def test_with_prefill_queued_the_cap_spares_a_held_context_within_held_time_cap() -> None:
+    # This window leaves "x" at 1.18 of the mean: past the cap of 1.15, within
+    # held_time_cap (1.2). Moved to "y", each request would compute the 40k held tokens
+    # again (seconds of TTFT where "x" takes a fraction of one), and the balance that buys
+    # is the mean rising.
+    window = "xxxxyxyzzxzz"
+    assert turns_on_a_busy_pool(capped(1.15), window) == "xxxxx"
+    assert turns_on_a_busy_pool(capped(1.15, held_time_cap=None), window) == "yyyyy"
+    # Past held_time_cap (a window of "x" alone) the cap moves it, spreading a hot context
+    # to a second replica.
+    assert turns_on_a_busy_pool(capped(1.15), "x")[0] == "y"
+
+
 def turns_on_a_slow_fleet(policy: Policy, held: bool = True) -> dict[str, int]:
     """After a window in which "x", "y" and "z" took all the prefill (twelve cold 50k-token
     prompts, four each, while the others had long queues): 20 requests sharing a 20k-token

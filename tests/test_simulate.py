@@ -809,14 +809,14 @@ def test_the_scoreboard_compares_two_settings_when_asked_for_an_after(capsys) ->
     assert exc.value.code == 2
     assert "--after goes with --compare" in capsys.readouterr().err
     # One small cell, the same setting before and after: the two runs agree only if the after
-    # run takes it (at the defaults, load_factor=1.25, this cell's mean differs), and the
+    # run takes it (at the defaults, tie_tokens=512, this cell's mean differs), and the
     # heading says which settings and how to run it again.
     assert scoreboard(["--only", "slow:multi_turn", "--set", "tuning",
-                       "--compare", "load_factor=4", "--after", "load_factor=4",
+                       "--compare", "tie_tokens=0", "--after", "tie_tokens=0",
                        "--jobs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "before (load_factor=4) and after (load_factor=4)" in out
-    assert "--compare load_factor=4 --after load_factor=4`" in out
+    assert "before (tie_tokens=0) and after (tie_tokens=0)" in out
+    assert "--compare tie_tokens=0 --after tie_tokens=0`" in out
     rows = [line.split("|") for line in out.splitlines()
             if line.startswith("| tuning | multi_turn on the slow fleet |")]
     assert len(rows) == 1

@@ -137,11 +137,17 @@ class PrefixAffinitySettings(PolicySettings):
         "a fleet of mixed speeds only with time_cap_mixed_speeds. None: no cap; needs "
         "balance_horizon > 0")
     idle_cap_recompute_tokens: float | None = Field(
-        32768.0, gt=0.0, description="on an idle fleet (no replica has prefill queued), a "
-        "replica past the time cap stays eligible for a request it holds this many tokens "
-        "more of than every replica the cap allows: moving it there would only compute "
-        "them again, with no queue for the balance to spare (at a quiet hour, turns of long "
-        "conversations were computed again elsewhere). None: the cap moves it")
+        16384.0, gt=0.0, description="a replica past the time cap stays eligible for a request "
+        "it holds this many tokens more of than every replica the cap allows: on an idle fleet "
+        "(no replica has prefill queued) always, at any other load while held_time_cap allows "
+        "it; moving the request there would compute them again, work made rather than moved "
+        "(at a quiet hour, turns of long conversations were computed again elsewhere). None: "
+        "the cap moves it")
+    held_time_cap: float | None = Field(
+        1.2, ge=1.0, description="while some replica has prefill queued, the spare of "
+        "idle_cap_recompute_tokens holds for a replica whose recent prefill at its own speed, "
+        "with this request's, stays within held_time_cap times the replicas' mean: past it "
+        "the cap moves the request even so (None: the spare holds on an idle fleet only)")
     slow_cap_spare: bool = Field(True, description="at any load, with own_speed_outliers, "
                                  "on a fleet that is not of mixed speeds: while every "
                                  "replica the time cap allows is one far slower than the "
@@ -211,8 +217,9 @@ class PrefixAffinity(Policy):
     With `time_cap` (1.15 by default), before step 3, replicas whose recent prefill time is
     past the cap are left out while one under it is idle: on equal replicas balance by time
     costs about 1% of the mean TTFT; on a fleet of mixed speeds, where it costs far more, only
-    with `time_cap_mixed_speeds`. On an idle fleet a replica the cap left out stays a
-    candidate for a prompt it holds `idle_cap_recompute_tokens` more of than the others; at
+    with `time_cap_mixed_speeds`. A replica the cap left out stays a candidate for a prompt
+    it holds `idle_cap_recompute_tokens` more of than the others: on an idle fleet always, at
+    another load while its recent prefill stays within `held_time_cap` of the mean; at
     any load, where the cap allows only replicas far slower than the pool, one where the
     request's prefill takes that much less time (`slow_cap_spare`).
     """
@@ -257,6 +264,7 @@ class PrefixAffinity(Policy):
         self.time_cap = s.time_cap if s.balance_horizon > 0 else None
         self.time_cap_mixed_speeds = s.time_cap_mixed_speeds
         self.idle_cap_recompute_tokens = s.idle_cap_recompute_tokens
+        self.held_time_cap = s.held_time_cap
         self.slow_cap_spare = s.slow_cap_spare
         self.tie_inflight_tokens = s.tie_inflight_tokens
         self._seen_at: dict[str, int] = {}
@@ -427,8 +435,9 @@ class PrefixAffinity(Policy):
                      speeds: Sequence[float], priced: Sequence[float] | None, cold: bool,
                      idle_fleet: bool) -> list[Row]:
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
-        replica under it has no prefill queued, but on an `idle_fleet` (none has) those
-        holding a long context (`idle_cap_recompute_tokens`), and where it allows only
+        replica under it has no prefill queued, but those holding a long context
+        (`idle_cap_recompute_tokens`): on an `idle_fleet` (none has) always, else while
+        within `held_time_cap`; and where it allows only
         replicas `priced` slower than the pool, those where the request's prefill takes that
         much less time (`slow_cap_spare`); a `cold` prompt (no replica
         holds any of it) that would pass the cap on every replica, eligible only where an
@@ -470,6 +479,16 @@ class PrefixAffinity(Policy):
                 allowed = self._spare_held(allowed, owns)
             elif idle_fleet:
                 allowed = self._spare_held(allowed, [row[3] for row in rows])
+            elif self.held_time_cap is not None:
+                # Moved, a held context is computed again where it goes: the balance that
+                # buys is the mean rising, not the holder's share falling. On document Q&A a
+                # question whose 17k-28k-token document was held by a replica just past the
+                # cap went to compute it again (2-5 s of TTFT where the holder took 0.4 s).
+                # Only up to held_time_cap, or a hot document's holder takes more and more.
+                limit = self.held_time_cap / len(rows)
+                spared = self._spare_held(allowed, [row[3] for row in rows])
+                allowed = [a or (spare and rec + own <= limit * (total + own)) for a, spare,
+                           rec, own in zip(allowed, spared, recent, owns, strict=True)]
         # Only idle capacity is worth balancing onto: with every replica under the cap
         # queued, moving work there queues it behind prefill (on the mixed fleet near
         # saturation, the slow half queued and the fast half not, mean TTFT 3x).
