@@ -269,13 +269,13 @@ def neighbour_lines(judged: Sequence[Cell], results: dict[tuple[Cell, str], dict
              "prefill time imb | past a target |", "|---:|---:|---:|---:|---:|---:|---|"]
     summary = []
     ratios: list[float] = []  # at the neighbours short of saturation
-    missing = 0
+    past_target = 0  # neighbours past a target, over every cell
     for cell in judged:
-        held = 0
+        missed_at = 0  # of this cell's neighbours
         for near, factor in zip(neighbours_of(cell), NEIGHBOURS, strict=True):
             pa = results[(near, "prefix_affinity")]
             past, ratio, missed = judge({p: results[(near, p)] for p in SEARCH_POLICIES})
-            held += bool(missed)
+            missed_at += bool(missed)
             if not past:
                 ratios.append(ratio)
             told = "past saturation" if past else "; ".join(missed) if missed else "none"
@@ -283,11 +283,11 @@ def neighbour_lines(judged: Sequence[Cell], results: dict[tuple[Cell, str], dict
                          f"{pa['ttft_mean_s']:.3f} | {ratio:.3f} | "
                          f"{pa['prefill_time_imbalance']:.2f} | {told} |")
         summary.append(f"- {cell.replicas} replicas, speedup {cell.speedup:g}: past a target at "
-                       f"{held} of its {len(NEIGHBOURS)} neighbours.")
-        missing += held
+                       f"{missed_at} of its {len(NEIGHBOURS)} neighbours.")
+        past_target += missed_at
     if ratios:
         summary.append(f"\nAt the {len(ratios)} neighbours short of saturation: past a target "
-                       f"at {missing}; prefix_affinity at {max(ratios):.3f}x the oracle at "
+                       f"at {past_target}; prefix_affinity at {max(ratios):.3f}x the oracle at "
                        f"worst, {statistics.geometric_mean(ratios):.3f}x in geometric mean.")
     return [*lines, "", *summary]
 

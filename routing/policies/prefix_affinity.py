@@ -437,11 +437,11 @@ class PrefixAffinity(Policy):
         """`rows` with those over the time cap made ineligible (see `time_cap`), while a
         replica under it has no prefill queued, but those holding a long context
         (`idle_cap_recompute_tokens`): on an `idle_fleet` (none has) always, else while
-        within `held_time_cap`; and where it allows only
-        replicas `priced` slower than the pool, those where the request's prefill takes that
-        much less time (`slow_cap_spare`); a `cold` prompt (no replica
-        holds any of it) that would pass the cap on every replica, eligible only where an
-        idle replica is left with the least recent prefill; else `rows` as they are."""
+        within `held_time_cap`; and where it allows only replicas `priced` slower than the
+        pool, those where the request's prefill takes that much less time
+        (`slow_cap_spare`); a `cold` prompt (no replica holds any of it) that would pass the
+        cap on every replica, eligible only where an idle replica is left with the least
+        recent prefill; else `rows` as they are."""
         recent = [self._recent_work(row[5]) for row in rows]
         total = sum(recent)
         cap = self.time_cap / len(rows)
@@ -482,9 +482,10 @@ class PrefixAffinity(Policy):
             elif self.held_time_cap is not None:
                 # Moved, a held context is computed again where it goes: the balance that
                 # buys is the mean rising, not the holder's share falling. On document Q&A a
-                # question whose 17k-28k-token document was held by a replica just past the
-                # cap went to compute it again (2-5 s of TTFT where the holder took 0.4 s).
-                # Only up to held_time_cap, or a hot document's holder takes more and more.
+                # question whose 17k-22k-token document was held by a replica just past the
+                # cap went to compute it again (2.4-3.3 s of TTFT where the holder took
+                # 0.2-0.4 s). Only up to held_time_cap, or a hot document's holder takes more
+                # and more of the prefill (imbalance by time 1.20-1.23 without the limit).
                 limit = self.held_time_cap / len(rows)
                 spared = self._spare_held(allowed, [row[3] for row in rows])
                 allowed = [a or (spare and rec + own <= limit * (total + own)) for a, spare,
